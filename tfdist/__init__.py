@@ -1,0 +1,13 @@
+"""tfdist: distributed training for Keras 3 on TensorFlow.
+
+Importing tfdist does not start TensorFlow's runtime, so `simulate_devices`
+may follow it.
+"""
+
+from tfdist import devices
+from tfdist.devices import simulate_devices
+from tfdist.strategies import DataParallelStrategy
+
+__version__ = "0.1.0"
+
+__all__ = ["DataParallelStrategy", "devices", "simulate_devices", "__version__"]

@@ -1,0 +1,100 @@
+"""Device discovery and simulated devices.
+
+TensorFlow fixes the set of logical devices when its runtime starts (the first
+op, the first `tf.config.list_logical_devices()`, the first strategy). Splitting
+the host CPU into several logical devices therefore has to happen before that;
+`simulate_devices` does it and says clearly when it is too late.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def simulate_devices(n: int) -> list[str]:
+    """Splits the host CPU into `n` logical devices.
+
+    Use it to run data- or model-parallel code on a machine without
+    accelerators: each logical CPU is a separate device to `tf.distribute` and
+    DTensor, with real collectives between them. Calling it again with the same
+    `n` is a no-op.
+
+    Args:
+        n: number of logical CPU devices, at least 1.
+
+    Returns:
+        The names of the logical CPU devices, e.g. `["/device:CPU:0", ...]`.
+
+    Raises:
+        ValueError: if `n` is not an integer >= 1.
+        RuntimeError: if TensorFlow's runtime is already initialized with a
+            different number of logical CPUs.
+
+    Example:
+
+    >>> import tfdist
+    >>> tfdist.simulate_devices(4)[-1]
+    '/device:CPU:3'
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(
+            f"Invalid value for argument `n` of simulate_devices(). Received: n={n!r}. "
+            "Expected an integer >= 1 (the number of logical CPU devices)."
+        )
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
+        )
+    except RuntimeError as e:
+        have = len(current) if current else 1
+        if have != n:
+            raise RuntimeError(
+                f"simulate_devices({n}) was called after TensorFlow initialized its runtime "
+                f"with {have} logical CPU device(s); the device list cannot change after that. "
+                f"Call tfdist.simulate_devices({n}) first, before creating any tensor, model, "
+                "strategy or calling tf.config.list_logical_devices() (in a notebook: restart "
+                "the kernel and run it in the first cell)."
+            ) from e
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def default_devices() -> list[str]:
+    """Returns the devices a data-parallel strategy uses by default.
+
+    All GPUs when there are any, else all logical CPUs (one unless
+    `simulate_devices` split the host).
+
+    Example:
+
+    >>> import tfdist
+    >>> len(tfdist.devices.default_devices()) >= 1
+    True
+    """
+    gpus = tf.config.list_logical_devices("GPU")
+    if gpus:
+        return [d.name for d in gpus]
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def canonical_device(name: str) -> str:
+    """Returns `name` as a full logical device name, or raises naming the valid ones.
+
+    Accepts short forms like "CPU:1", "gpu:0" or "/cpu:1".
+
+    Raises:
+        ValueError: if no logical device of that name exists.
+    """
+    available = {d.name.lower(): d.name for d in tf.config.list_logical_devices()}
+    key = name.strip().lower()
+    if not key.startswith("/"):
+        key = "/device:" + key
+    key = key.replace("/cpu:", "/device:cpu:").replace("/gpu:", "/device:gpu:")
+    for full_lower, full in available.items():
+        if full_lower == key or full_lower.endswith(key):
+            return full
+    raise ValueError(
+        f"Device {name!r} does not exist. Available logical devices: {sorted(available.values())}. "
+        "To get more CPU devices call tfdist.simulate_devices(n) before TensorFlow starts."
+    )

@@ -1,0 +1,351 @@
+"""Every private TensorFlow / Keras hook tfdist relies on, in one place.
+
+Plain Keras 3 under `tf.distribute.MirroredStrategy` (measured on TF 2.21,
+Keras 3.15) is wrong in three ways that tfdist corrects:
+
+1. Loss scaling. Keras scales each replica's mean loss by 1 / replicas, so a
+   global batch that splits unevenly (10 examples over 4 replicas) weights a
+   replica holding 1 example like one holding 3. tfdist weights each replica by
+   its share of the global batch (n_replica / n_global), which makes the summed
+   gradient exactly the single-device gradient. Hooks: Keras'
+   `scale_loss_for_distribution` / `unscale_loss_for_distribution`, and the
+   strategy's `_call_for_each_replica`, which computes the shares.
+2. Gradient clipping and accumulation. Keras clips each replica's gradient
+   before the all-reduce, and its accumulation step calls `merge_call` inside a
+   `cond` branch, which tf.distribute forbids. tfdist all-reduces first, then
+   runs Keras' own `apply` once in cross-replica context on the reduced
+   gradient, so clipping, accumulation, weight decay and EMA behave as on one
+   device. Hooks: `TFOptimizer.apply`, and the strategy's `_use_merge_call`.
+3. Symbolic build. Keras builds the model on the replica-MEAN of the first
+   batch, which crashes (`AddN`) when the first batch splits unevenly. tfdist
+   builds on one replica's local batch. Hook: `TensorFlowTrainer._maybe_symbolic_build`.
+
+The hooks act only under tfdist strategies; other strategies keep Keras'
+behaviour. Each hook checks at install time that the code it replaces still
+looks as it did on the versions below, and raises `CompatError` naming the hook
+when it does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+
+import keras
+import tensorflow as tf
+from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.losses import loss as keras_loss
+from keras.src.optimizers import base_optimizer as keras_base_optimizer
+from tensorflow.python.autograph.core import ag_ctx
+from tensorflow.python.autograph.impl import api as autograph
+from tensorflow.python.distribute import merge_call_interim
+from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.distribute import values as tf_values
+from tensorflow.python.util import nest
+
+CHECKED_ON = {"tensorflow": "2.21", "keras": "3.15"}
+
+
+class CompatError(RuntimeError):
+    """A TensorFlow/Keras internal that tfdist hooks no longer looks as expected."""
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def versions_match() -> bool:
+    """True when the installed TensorFlow and Keras are the versions the hooks were checked on."""
+    return (
+        _major_minor(tf.__version__) == CHECKED_ON["tensorflow"]
+        and _major_minor(keras.__version__) == CHECKED_ON["keras"]
+    )
+
+
+def _require(hook: str, obj, *needles: str) -> None:
+    """Raises CompatError unless the source of `obj` contains every needle."""
+    try:
+        source = inspect.getsource(obj)
+    except (OSError, TypeError) as e:
+        raise CompatError(f"tfdist hook {hook!r}: cannot read the source of {obj!r}: {e}") from e
+    missing = [n for n in needles if n not in source]
+    if missing:
+        raise CompatError(
+            f"tfdist hook {hook!r} no longer applies: {obj.__module__}.{obj.__qualname__} does not "
+            f"contain {missing}. tfdist was checked on TensorFlow {CHECKED_ON['tensorflow']} and "
+            f"Keras {CHECKED_ON['keras']}; installed are TensorFlow {tf.__version__} and Keras "
+            f"{keras.__version__}. Install the pinned versions (pip install -e .)."
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Per-replica state: the replica's share of the global batch while its step function runs.
+# MirroredStrategy runs each replica's function in its own thread, so this is thread-local.
+# --------------------------------------------------------------------------------------------
+_replica_state = threading.local()
+
+
+@contextlib.contextmanager
+def _example_share(share):
+    previous = getattr(_replica_state, "share", None)
+    _replica_state.share = share
+    try:
+        yield
+    finally:
+        _replica_state.share = previous
+
+
+def current_example_share():
+    """This replica's share of the global batch (a scalar tensor), or None outside tfdist steps."""
+    return getattr(_replica_state, "share", None)
+
+
+# --------------------------------------------------------------------------------------------
+# Hook 1: loss scaling by the replica's share of the global batch.
+# --------------------------------------------------------------------------------------------
+_original_scale = keras_loss.scale_loss_for_distribution
+_original_unscale = keras_loss.unscale_loss_for_distribution
+
+
+def _scale_loss_for_distribution(value):
+    share = current_example_share()
+    if share is None:
+        return _original_scale(value)
+    return value * tf.cast(share, value.dtype)
+
+
+def _unscale_loss_for_distribution(value):
+    share = current_example_share()
+    if share is None:
+        return _original_unscale(value)
+    return tf.math.divide_no_nan(value, tf.cast(share, value.dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# Hook 2: all-reduce, then Keras' own apply in cross-replica context.
+# --------------------------------------------------------------------------------------------
+_original_apply = keras_base_optimizer.BaseOptimizer.apply
+
+
+def _is_exact_strategy(strategy) -> bool:
+    return getattr(strategy.extended, "_tfdist_exact", False)
+
+
+def _as_mirrored(value):
+    if isinstance(value, tf_values.PerReplica):
+        return tf_values.Mirrored(value.values)
+    return value
+
+
+def _apply(self, grads, trainable_variables=None):
+    replica_context = tf.distribute.get_replica_context()
+    strategy = tf.distribute.get_strategy()
+    if (
+        replica_context is None
+        or not _is_exact_strategy(strategy)
+        or strategy.num_replicas_in_sync == 1
+    ):
+        return _original_apply(self, grads, trainable_variables)
+    grads = list(grads)
+    present = [i for i, g in enumerate(grads) if g is not None]
+    reduced = strategy.extended._tfdist_all_reduce_gradients([grads[i] for i in present])
+    for i, g in zip(present, reduced):
+        grads[i] = g
+
+    def apply_once(unused_strategy, reduced_grads):
+        reduced_grads = [None if g is None else _as_mirrored(g) for g in reduced_grads]
+        with strategy.extended._tfdist_cross_replica_apply():
+            return _original_apply(self, reduced_grads, trainable_variables)
+
+    return replica_context.merge_call(apply_once, args=(grads,))
+
+
+# --------------------------------------------------------------------------------------------
+# Hook 3: symbolic build on one replica's batch instead of the replica mean.
+# --------------------------------------------------------------------------------------------
+_original_maybe_symbolic_build = keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+
+
+def _largest_local_batch(strategy, batch):
+    """The local batch of the replica holding the most examples (the first batch may be uneven)."""
+    flat = nest.flatten(batch)
+    per_leaf = [
+        strategy.experimental_local_results(x) if isinstance(x, tf.distribute.DistributedValues) else None
+        for x in flat
+    ]
+    num_local = max((len(p) for p in per_leaf if p is not None), default=1)
+    replicas = [
+        [x if parts is None else parts[r] for x, parts in zip(flat, per_leaf)] for r in range(num_local)
+    ]
+    sized = next((i for i, x in enumerate(flat) if getattr(x, "shape", None) is not None), None)
+
+    def size(replica):
+        leaf = replica[sized] if sized is not None else None
+        return int(tf.shape(leaf)[0]) if leaf is not None and leaf.shape.rank else 0
+
+    best = max(replicas, key=size)
+    return nest.pack_sequence_as(batch, best)
+
+
+def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    strategy = self._distribute_strategy
+    if strategy is None or not _is_exact_strategy(strategy) or iterator is None:
+        return _original_maybe_symbolic_build(self, iterator=iterator, data_batch=data_batch)
+    for _, _, it in iterator:
+        data_batch = _largest_local_batch(strategy, next(it))
+        break
+    with strategy.scope():
+        self._symbolic_build(data_batch=data_batch)
+
+
+# --------------------------------------------------------------------------------------------
+# Strategy side: a mixin for the `extended` of tfdist's tf.distribute strategies.
+# --------------------------------------------------------------------------------------------
+class ExactReplicaMixin:
+    """Mixin for a `StrategyExtended` whose replicas compute the single-device result.
+
+    It overrides `_call_for_each_replica` (to give each replica its share of the
+    global batch) and `_use_merge_call` (so that Keras' optimizer code, which asks
+    for `merge_call`, runs directly while tfdist applies gradients in
+    cross-replica context).
+    """
+
+    _tfdist_exact = True
+
+    def _tfdist_flags(self):
+        flags = self.__dict__.get("_tfdist_thread_flags")
+        if flags is None:
+            flags = self.__dict__["_tfdist_thread_flags"] = threading.local()
+        return flags
+
+    @contextlib.contextmanager
+    def _tfdist_cross_replica_apply(self):
+        flags = self._tfdist_flags()
+        flags.applying = True
+        try:
+            yield
+        finally:
+            flags.applying = False
+
+    def _use_merge_call(self):
+        if getattr(self._tfdist_flags(), "applying", False):
+            return False
+        return super()._use_merge_call()
+
+    def _tfdist_all_reduce_gradients(self, grads):
+        """All-reduces (sums) the per-replica gradients; runs in replica context."""
+        if not grads:
+            return []
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+
+    def _tfdist_global_count(self, local_count):
+        """Examples in this step over all workers, given this worker's count."""
+        return local_count
+
+    def _tfdist_example_shares(self, args, kwargs):
+        """Per-replica share of the global batch, from the first batched per-replica input."""
+        for leaf in nest.flatten((args, kwargs)):
+            if not isinstance(leaf, tf_values.PerReplica):
+                continue
+            parts = leaf.values
+            if not all(isinstance(p, tf.Tensor) and p.shape.rank for p in parts):
+                continue
+            counts = []
+            for device, part in zip(self.worker_devices, parts):
+                with tf.device(device):
+                    counts.append(tf.cast(tf.shape(part)[0], tf.float32))
+            total = self._tfdist_global_count(tf.add_n(counts))
+            shares = []
+            for device, count in zip(self.worker_devices, counts):
+                with tf.device(device):
+                    shares.append(tf.math.divide_no_nan(count, total))
+            return tf_values.PerReplica(shares)
+        return None
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        shares = self._tfdist_example_shares(args, kwargs)
+        if shares is None:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        fn = autograph.tf_convert(fn, ag_ctx.control_status_ctx(), convert_by_default=False)
+
+        @autograph.do_not_convert
+        def weighted(share, *a, **kw):
+            with _example_share(share):
+                return fn(*a, **kw)
+
+        return super()._call_for_each_replica(weighted, (shares,) + tuple(args), kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Installation.
+# --------------------------------------------------------------------------------------------
+_HOOKS = (
+    ("loss_scaling", keras_loss.scale_loss_for_distribution, ("num_replicas_in_sync",)),
+    ("loss_unscaling", keras_loss.unscale_loss_for_distribution, ("num_replicas_in_sync",)),
+    ("loss_reduction", keras_loss.reduce_values, ("scale_loss_for_distribution(loss)",)),
+    ("optimizer_apply", keras_base_optimizer.BaseOptimizer.apply, ("_backend_apply_gradients",)),
+    (
+        "optimizer_accumulation",
+        keras_base_optimizer.BaseOptimizer._backend_apply_gradients,
+        ("ops.cond(", "_clip_gradients(grads)", "_backend_update_step("),
+    ),
+    (
+        "optimizer_all_reduce",
+        keras_tf_optimizer.TFOptimizer._backend_update_step,
+        ("_all_reduce_sum_gradients", "maybe_merge_call"),
+    ),
+    ("optimizer_merge_call", merge_call_interim.strategy_supports_no_merge_call, ("_use_merge_call()",)),
+    (
+        "symbolic_build",
+        keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build,
+        ('self.distribute_strategy.reduce(', '"MEAN"', "self._symbolic_build(data_batch=data_batch)"),
+    ),
+    (
+        "train_step_scaling",
+        keras_tf_trainer.TensorFlowTrainer.train_step,
+        ("unscale_loss_for_distribution(loss)", "self.optimizer.apply_gradients("),
+    ),
+    ("replica_call", mirrored_strategy.MirroredExtended._call_for_each_replica, ("call_for_each_replica",)),
+    ("merge_call_choice", mirrored_strategy.MirroredExtended._use_merge_call, ("def _use_merge_call",)),
+)
+
+_installed = False
+_install_lock = threading.Lock()
+
+
+def check_hooks() -> None:
+    """Raises CompatError if any hooked TF/Keras internal changed shape."""
+    if keras_tf_optimizer.TFOptimizer.apply not in (_original_apply, _apply):
+        raise CompatError(
+            "tfdist hook 'optimizer_apply' no longer applies: keras TFOptimizer overrides apply(); "
+            f"checked on Keras {CHECKED_ON['keras']}, installed {keras.__version__}."
+        )
+    for name, target, needles in _HOOKS:
+        _require(name, target, *needles)
+
+
+def install() -> None:
+    """Installs the Keras hooks (idempotent). They act only under tfdist strategies."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        check_hooks()
+        keras_loss.scale_loss_for_distribution = _scale_loss_for_distribution
+        keras_loss.unscale_loss_for_distribution = _unscale_loss_for_distribution
+        keras_tf_optimizer.TFOptimizer.apply = _apply
+        keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+        _installed = True
+
+
+def installed() -> bool:
+    """True once `install()` has patched Keras."""
+    return (
+        _installed
+        and keras_loss.scale_loss_for_distribution is _scale_loss_for_distribution
+        and keras_loss.unscale_loss_for_distribution is _unscale_loss_for_distribution
+        and keras_tf_optimizer.TFOptimizer.apply is _apply
+        and keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build is _maybe_symbolic_build
+    )
