@@ -86,15 +86,17 @@ def canonical_device(name: str) -> str:
     Raises:
         ValueError: if no logical device of that name exists.
     """
-    available = {d.name.lower(): d.name for d in tf.config.list_logical_devices()}
-    key = name.strip().lower()
-    if not key.startswith("/"):
-        key = "/device:" + key
-    key = key.replace("/cpu:", "/device:cpu:").replace("/gpu:", "/device:gpu:")
-    for full_lower, full in available.items():
-        if full_lower == key or full_lower.endswith(key):
-            return full
+    available = [d.name for d in tf.config.list_logical_devices()]
+    try:
+        spec = tf.DeviceSpec.from_string(name if name.startswith("/") else "/device:" + name)
+    except (ValueError, TypeError):
+        spec = None
+    if spec is not None and spec.job in (None, "localhost") and spec.device_type is not None:
+        for full in available:
+            have = tf.DeviceSpec.from_string(full)
+            if have.device_type == spec.device_type.upper() and have.device_index == (spec.device_index or 0):
+                return full
     raise ValueError(
-        f"Device {name!r} does not exist. Available logical devices: {sorted(available.values())}. "
+        f"Device {name!r} does not exist. Available logical devices: {available}. "
         "To get more CPU devices call tfdist.simulate_devices(n) before TensorFlow starts."
     )

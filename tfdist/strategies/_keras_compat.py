@@ -44,6 +44,7 @@ from tensorflow.python.distribute import merge_call_interim
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values as tf_values
 from tensorflow.python.util import nest
+from tensorflow.python.util import tf_decorator
 
 CHECKED_ON = {"tensorflow": "2.21", "keras": "3.15"}
 
@@ -98,7 +99,7 @@ def _example_share(share):
 
 
 def current_example_share():
-    """This replica's share of the global batch (a scalar tensor), or None outside tfdist steps."""
+    """This replica's examples / the global batch's examples while a tfdist step runs, else None."""
     return getattr(_replica_state, "share", None)
 
 
@@ -244,38 +245,129 @@ class ExactReplicaMixin:
         """Examples in this step over all workers, given this worker's count."""
         return local_count
 
-    def _tfdist_example_shares(self, args, kwargs):
-        """Per-replica share of the global batch, from the first batched per-replica input."""
-        for leaf in nest.flatten((args, kwargs)):
-            if not isinstance(leaf, tf_values.PerReplica):
-                continue
-            parts = leaf.values
-            if not all(isinstance(p, tf.Tensor) and p.shape.rank for p in parts):
-                continue
-            counts = []
-            for device, part in zip(self.worker_devices, parts):
-                with tf.device(device):
-                    counts.append(tf.cast(tf.shape(part)[0], tf.float32))
-            total = self._tfdist_global_count(tf.add_n(counts))
-            shares = []
-            for device, count in zip(self.worker_devices, counts):
-                with tf.device(device):
-                    shares.append(tf.math.divide_no_nan(count, total))
-            return tf_values.PerReplica(shares)
-        return None
-
     def _call_for_each_replica(self, fn, args, kwargs):
-        shares = self._tfdist_example_shares(args, kwargs)
-        if shares is None:
+        prepared = self._tfdist_prepare_replicas(fn, args, kwargs or {})
+        if prepared is None:
             return super()._call_for_each_replica(fn, args, kwargs)
+        args, shares, padded, model = prepared
         fn = autograph.tf_convert(fn, ag_ctx.control_status_ctx(), convert_by_default=False)
 
         @autograph.do_not_convert
-        def weighted(share, *a, **kw):
-            with _example_share(share):
-                return fn(*a, **kw)
+        def weighted(replica_share, replica_padded, *a, **kw):
+            with _example_share(replica_share), _undo_metric_updates_if(replica_padded, model):
+                outputs = fn(*a, **kw)
+            return nest.map_structure(lambda t: _drop_padding(t, replica_padded), outputs)
 
-        return super()._call_for_each_replica(weighted, (shares,) + tuple(args), kwargs)
+        return super()._call_for_each_replica(weighted, (shares, padded) + tuple(args), kwargs)
+
+    def _tfdist_prepare_replicas(self, fn, args, kwargs):
+        """Each replica's share of the global batch; empty replicas padded for Keras steps.
+
+        A global batch smaller than the number of replicas leaves some replicas
+        without examples, and several CPU kernels (oneDNN convolutions) fail on
+        an empty batch. For Keras' train/test/predict steps such a replica runs
+        on a copy of replica 0's first example with loss share 0, its metric
+        updates are undone and its outputs dropped, so the step equals one
+        device's.
+        """
+        batched = [
+            leaf
+            for leaf in nest.flatten((args, kwargs))
+            if isinstance(leaf, tf_values.PerReplica)
+            and all(isinstance(p, tf.Tensor) and p.shape.rank for p in leaf.values)
+        ]
+        if not batched or len(batched[0].values) < 2:
+            return None
+        devices = self.worker_devices
+        counts = []
+        for device, part in zip(devices, batched[0].values):
+            with tf.device(device):
+                counts.append(tf.shape(part)[0])
+        model = _keras_step_model(fn) if not kwargs and len(args) == 1 else None
+        if model is not None:
+            args = (nest.map_structure(lambda leaf: self._tfdist_pad(leaf, counts), args[0]),)
+        total = self._tfdist_global_count(tf.cast(tf.add_n(counts), tf.float32))
+        shares, padded = [], []
+        for device, count in zip(devices, counts):
+            with tf.device(device):
+                shares.append(tf.math.divide_no_nan(tf.cast(count, tf.float32), total))
+                padded.append(tf.logical_and(model is not None, tf.equal(count, 0)))
+        return args, tf_values.PerReplica(shares), tf_values.PerReplica(padded), model
+
+    def _tfdist_pad(self, leaf, counts):
+        """Gives each empty replica of a batched PerReplica leaf replica 0's first row."""
+        if not isinstance(leaf, tf_values.PerReplica) or not leaf.values[0].shape.rank:
+            return leaf
+        devices = self.worker_devices
+        with tf.device(devices[0]):
+            filler = leaf.values[0][:1]
+        parts = [leaf.values[0]]
+        for device, count, part in zip(devices[1:], counts[1:], leaf.values[1:]):
+            with tf.device(device):
+                parts.append(tf.cond(count > 0, lambda p=part: p, lambda: filler))
+        return tf_values.PerReplica(parts)
+
+
+def _keras_step_model(fn):
+    """The Keras model when `fn` is (a wrapper of) its train/test/predict step method, else None."""
+    _, target = tf_decorator.unwrap(fn)
+    for _ in range(8):  # tf_convert and functools wrappers, a few deep
+        owner = getattr(target, "__self__", None)
+        if isinstance(owner, keras.Model) and getattr(target, "__name__", "") in (
+            "train_step",
+            "test_step",
+            "predict_step",
+        ):
+            return owner
+        target = getattr(target, "__wrapped__", None)
+        if target is None:
+            return None
+    return None
+
+
+@contextlib.contextmanager
+def _undo_metric_updates_if(padded, model):
+    """Restores this replica's (local, sync-on-read) metric state afterwards when `padded`."""
+    if model is None:
+        yield
+        return
+    variables = list(model.metrics_variables)
+    saved = [tf.identity(v.value) for v in variables]
+    yield
+
+    def restore():
+        for v, value in zip(variables, saved):
+            v.assign(value)
+        return tf.constant(True)
+
+    tf.cond(padded, restore, lambda: tf.constant(False))
+
+
+def _drop_padding(value, padded):
+    """Drops the rows of a padded replica's batch-sized output (its static batch size is unknown)."""
+    if not isinstance(value, tf.Tensor) or not value.shape.rank or value.shape[0] is not None:
+        return value
+    return tf.cond(padded, lambda: value[:0], lambda: value)
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-worker (tfdist.MultiWorkerStrategy). Hook 4: Keras' `reduce_per_replica` reduces the
+# "mean" of step outputs (scalar metric results) across workers with `strategy.reduce(..., axis=0)`,
+# which fails on scalars ("Invalid reduction dimension 0"). tfdist takes the element-wise mean over
+# all replicas (axis=None), the multi-worker equivalent of Keras' single-worker mean of
+# `experimental_local_results`. Checked on TensorFlow 2.21 / Keras 3.15.
+# --------------------------------------------------------------------------------------------
+_original_reduce_per_replica = keras_tf_trainer.reduce_per_replica
+
+
+def _reduce_per_replica(values, strategy, reduction):
+    if (
+        reduction not in ("auto", "mean")
+        or not _is_exact_strategy(strategy)
+        or not keras_tf_trainer._collective_all_reduce_multi_worker(strategy)
+    ):
+        return _original_reduce_per_replica(values, strategy, reduction)
+    return nest.map_structure(lambda v: strategy.reduce(tf.distribute.ReduceOp.MEAN, v, axis=None), values)
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,6 +401,17 @@ _HOOKS = (
     ),
     ("replica_call", mirrored_strategy.MirroredExtended._call_for_each_replica, ("call_for_each_replica",)),
     ("merge_call_choice", mirrored_strategy.MirroredExtended._use_merge_call, ("def _use_merge_call",)),
+    # multi-worker
+    (
+        "multi_worker_reduce",
+        keras_tf_trainer.reduce_per_replica,
+        ("_collective_all_reduce_multi_worker(strategy)", 'strategy.reduce("MEAN", v, axis=0)'),
+    ),
+    (
+        "multi_worker_check",
+        keras_tf_trainer._collective_all_reduce_multi_worker,
+        ("_in_multi_worker_mode()",),
+    ),
 )
 
 _installed = False
@@ -337,6 +440,7 @@ def install() -> None:
         keras_loss.unscale_loss_for_distribution = _unscale_loss_for_distribution
         keras_tf_optimizer.TFOptimizer.apply = _apply
         keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+        keras_tf_trainer.reduce_per_replica = _reduce_per_replica
         _installed = True
 
 
@@ -348,4 +452,5 @@ def installed() -> bool:
         and keras_loss.unscale_loss_for_distribution is _unscale_loss_for_distribution
         and keras_tf_optimizer.TFOptimizer.apply is _apply
         and keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build is _maybe_symbolic_build
+        and keras_tf_trainer.reduce_per_replica is _reduce_per_replica
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import tensorflow as tf
 from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
@@ -13,6 +15,11 @@ from tfdist.strategies import _keras_compat
 
 COMMUNICATION_CHOICES = ("auto", "nccl", "ring", "hierarchical")
 _GPU_ONLY = ("nccl", "hierarchical")
+# Collective group/instance keys start at a strategy's key base. TensorFlow gives every
+# MirroredStrategy the base 0, so two strategies in one process (a notebook, a test suite)
+# reuse keys and their all-reduces mix ("Shape mismatch in the collective instance").
+# Each tfdist strategy gets a base of its own, far from 0.
+_KEY_BASES = itertools.count(start=10_000_000, step=10_000_000)
 
 
 def _validate_communication(communication, devices):
@@ -104,6 +111,7 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         _validate_communication(communication, devices)
         _keras_compat.install()
         self._communication = communication
+        self._collective_key_base = next(_KEY_BASES)
         # MirroredStrategy.__init__ only builds a MirroredExtended; build ours instead.
         distribute_lib.Strategy.__init__(
             self, _DataParallelExtended(self, devices=devices, communication=communication)

@@ -1,0 +1,69 @@
+"""A worker process for the multi-worker tests (run as a script, not collected by pytest).
+
+Usage: python tests/_mw_worker.py OUT.npz MODE [key=value ...]
+MODE: "multi" (tfdist.MultiWorkerStrategy from TF_CONFIG), "reference" (one process, no strategy),
+"die" (multi, but this process kills itself mid-fit when it is worker `die_rank`),
+"stuck" (multi, but worker `die_rank` sleeps inside training).
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+OUT, MODE = sys.argv[1], sys.argv[2]
+OPTS = dict(a.split("=", 1) for a in sys.argv[3:])
+N = int(OPTS.get("n", 22))
+BATCH = int(OPTS.get("batch", 6))
+EPOCHS = int(OPTS.get("epochs", 2))
+
+if MODE != "reference":
+    import tfdist
+
+    strategy = tfdist.MultiWorkerStrategy(
+        timeout=float(OPTS.get("timeout", 60)),
+        heartbeat_timeout=float(OPTS.get("heartbeat", 10)),
+        join_timeout=float(OPTS.get("join", 60)),
+    )
+    rank = strategy.cluster.rank
+else:
+    import tensorflow as tf
+
+    strategy = tf.distribute.get_strategy()
+    rank = 0
+
+import keras  # noqa: E402
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(N, 4)).astype("float32")
+y = (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32") + 0.1).astype("float32")
+
+
+class Sabotage(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if rank != int(OPTS.get("die_rank", 1)) or self.model.optimizer.iterations.numpy() < 3:
+            return
+        if MODE == "die":
+            print("worker dies now", flush=True)
+            os._exit(17)
+        if MODE == "stuck":
+            print("worker is stuck now", flush=True)
+            time.sleep(1000)
+
+
+keras.utils.set_random_seed(1)
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[Sabotage()])
+ev = model.evaluate(x[:12], y[:12], batch_size=BATCH, verbose=0, return_dict=True)
+pred = model.predict(x[:12], batch_size=BATCH, verbose=0)
+np.savez(
+    OUT,
+    *[w for w in model.get_weights()],
+    loss=np.array(history.history["loss"]),
+    eval_loss=np.array(ev["loss"]),
+    pred=pred,
+)
+print("done", flush=True)

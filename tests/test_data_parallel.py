@@ -1,0 +1,213 @@
+"""DataParallelStrategy: Keras 3 fit under it equals single-device training.
+
+Every comparison trains the same model (same seed, same data order, same global batch) once
+without a strategy and once under DataParallelStrategy on 4 logical CPUs, then compares
+weights and per-epoch losses. Tolerances: SGD weights atol 1e-5, Adam weights atol 1e-4,
+losses rtol 1e-5 (float32 sums over replicas associate differently than on one device).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+
+DEVICES = [f"CPU:{i}" for i in range(4)]
+SGD_ATOL = 1e-5
+ADAM_ATOL = 1e-4
+LOSS_RTOL = 1e-5
+
+
+def cnn(optimizer, *, regularized=False):
+    keras.utils.set_random_seed(7)
+    reg = keras.regularizers.L2(1e-3) if regularized else None
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(4, 3, activation="relu", kernel_regularizer=reg),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(8, 3, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
+    model.compile(
+        optimizer=optimizer(),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8, 8, 1)).astype("float32")
+    y = rng.integers(0, 3, size=(n,)).astype("int32")
+    return x, y
+
+
+def train_both(optimizer, x, y, *, strategy=None, regularized=False, **fit_kwargs):
+    fit_kwargs = {"epochs": 2, "shuffle": False, "verbose": 0, **fit_kwargs}
+    ref = cnn(optimizer, regularized=regularized)
+    ref_hist = ref.fit(x, y, **fit_kwargs).history
+    strategy = strategy or tfdist.DataParallelStrategy(devices=DEVICES)
+    with strategy.scope():
+        dist = cnn(optimizer, regularized=regularized)
+    dist_hist = dist.fit(x, y, **fit_kwargs).history
+    return ref, ref_hist, dist, dist_hist
+
+
+def assert_weights_close(ref, dist, atol):
+    for w_ref, w_dist, v in zip(ref.get_weights(), dist.get_weights(), ref.weights):
+        np.testing.assert_allclose(w_dist, w_ref, atol=atol, rtol=0, err_msg=v.path)
+
+
+def sgd():
+    return keras.optimizers.SGD(0.1)
+
+
+@pytest.mark.parametrize(
+    "n,batch_size",
+    [
+        (64, 16),  # even: 4 examples per replica
+        (42, 16),  # uneven last batch: 10 examples over 4 replicas
+        (10, 16),  # uneven FIRST (and only) batch: crashes plain MirroredStrategy
+        (34, 16),  # last batch of 2: two replicas get no example at all
+    ],
+)
+def test_fit_matches_single_device(n, batch_size):
+    x, y = data(n)
+    ref, ref_hist, dist, dist_hist = train_both(sgd, x, y, batch_size=batch_size)
+    assert_weights_close(ref, dist, SGD_ATOL)
+    np.testing.assert_allclose(dist_hist["loss"], ref_hist["loss"], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(dist_hist["accuracy"], ref_hist["accuracy"], rtol=LOSS_RTOL)
+    # Training moved the weights well beyond the tolerance, so a match is informative.
+    assert max(np.abs(a - b).max() for a, b in zip(ref.get_weights(), cnn(sgd).get_weights())) > 100 * SGD_ATOL
+
+
+def test_fit_with_tf_data_regularizer_and_sample_weight():
+    x, y = data(42)
+    sw = np.linspace(0.5, 2.0, len(y)).astype("float32")
+
+    def fit(model):
+        ds = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(16)
+        return model.fit(ds, epochs=2, verbose=0).history
+
+    ref = cnn(sgd, regularized=True)
+    ref_hist = fit(ref)
+    with tfdist.DataParallelStrategy(devices=DEVICES).scope():
+        dist = cnn(sgd, regularized=True)
+    dist_hist = fit(dist)
+    assert_weights_close(ref, dist, SGD_ATOL)
+    np.testing.assert_allclose(dist_hist["loss"], ref_hist["loss"], rtol=LOSS_RTOL)
+
+
+def test_adam_matches_single_device():
+    x, y = data(42)
+    ref, ref_hist, dist, dist_hist = train_both(lambda: keras.optimizers.Adam(1e-2), x, y, batch_size=16)
+    assert_weights_close(ref, dist, ADAM_ATOL)
+    np.testing.assert_allclose(dist_hist["loss"], ref_hist["loss"], rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "clip",
+    [{"clipnorm": 0.05}, {"global_clipnorm": 0.05}, {"clipvalue": 0.002}],
+    ids=lambda c: next(iter(c)),
+)
+def test_clipping_acts_on_the_all_reduced_gradient(clip):
+    x, y = data(42)
+    ref, ref_hist, dist, dist_hist = train_both(lambda: keras.optimizers.SGD(0.5, **clip), x, y, batch_size=16)
+    assert_weights_close(ref, dist, SGD_ATOL)
+    np.testing.assert_allclose(dist_hist["loss"], ref_hist["loss"], rtol=LOSS_RTOL)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_gradient_accumulation_matches_single_device(optimizer):
+    def make():
+        if optimizer == "sgd":
+            return keras.optimizers.SGD(0.1, gradient_accumulation_steps=3)
+        return keras.optimizers.Adam(1e-2, gradient_accumulation_steps=3, global_clipnorm=1.0)
+
+    x, y = data(42)
+    ref, ref_hist, dist, dist_hist = train_both(make, x, y, batch_size=8)
+    assert_weights_close(ref, dist, SGD_ATOL if optimizer == "sgd" else ADAM_ATOL)
+    np.testing.assert_allclose(dist_hist["loss"], ref_hist["loss"], rtol=1e-4)
+    micro_steps = 2 * -(-42 // 8)  # 2 epochs of 6 batches (the last one of 2 examples)
+    assert int(dist.optimizer.iterations.numpy()) == int(ref.optimizer.iterations.numpy()) == micro_steps // 3
+
+
+def test_evaluate_and_predict_match_single_device():
+    x, y = data(42)
+    ref, _, dist, _ = train_both(sgd, x, y, batch_size=16, epochs=1)
+    ref_eval = ref.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    dist_eval = dist.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(dist_eval[key], ref_eval[key], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(
+        dist.predict(x, batch_size=16, verbose=0), ref.predict(x, batch_size=16, verbose=0), atol=1e-5
+    )
+
+
+def test_ring_communication_matches_single_device():
+    x, y = data(42)
+    strategy = tfdist.DataParallelStrategy(devices=DEVICES, communication="ring")
+    ref, _, dist, _ = train_both(sgd, x, y, batch_size=16, strategy=strategy)
+    assert_weights_close(ref, dist, SGD_ATOL)
+
+
+def test_model_checkpoint_and_keras_save_load(tmp_path):
+    x, y = data(42)
+    strategy = tfdist.DataParallelStrategy(devices=DEVICES)
+    with strategy.scope():
+        model = cnn(sgd)
+    best = tmp_path / "best.keras"
+    model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=2,
+        verbose=0,
+        callbacks=[keras.callbacks.ModelCheckpoint(best, monitor="loss", save_best_only=True)],
+    )
+    assert best.is_file()
+    expected = model.predict(x, verbose=0)
+    model.save(tmp_path / "final.keras")
+
+    restored = keras.models.load_model(tmp_path / "final.keras")  # one device, no strategy
+    np.testing.assert_allclose(restored.predict(x, verbose=0), expected, atol=1e-6)
+    with strategy.scope():
+        resumed = keras.models.load_model(tmp_path / "final.keras")
+    np.testing.assert_allclose(resumed.predict(x, verbose=0), expected, atol=1e-6)
+    resumed.fit(x, y, batch_size=16, epochs=1, verbose=0)  # optimizer state came back; training goes on
+    assert keras.models.load_model(best).count_params() == model.count_params()
+
+
+def test_strategy_is_a_mirrored_strategy_with_defaults():
+    strategy = tfdist.DataParallelStrategy()
+    assert isinstance(strategy, tf.distribute.MirroredStrategy)
+    assert strategy.num_replicas_in_sync == 8
+    assert strategy.communication == "auto"
+    assert "communication='auto'" in repr(strategy)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"communication": "fast"}, r"communication='fast'.*\('auto', 'nccl', 'ring', 'hierarchical'\)"),
+        ({"communication": "nccl", "devices": DEVICES}, r"'nccl' needs GPU devices.*CPU:0"),
+        ({"communication": "hierarchical", "devices": DEVICES}, r"'hierarchical' needs GPU devices"),
+        ({"devices": ["CPU:0", "CPU:42"]}, r"'CPU:42' does not exist.*Available logical devices"),
+        ({"devices": ["CPU:1", "/cpu:1"]}, r"repeated: \['/device:CPU:1'\]"),
+        ({"devices": []}, r"Received: devices=\[\]"),
+        ({"devices": "CPU:0"}, r"Received: devices='CPU:0'"),
+    ],
+)
+def test_bad_arguments_name_the_problem(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tfdist.DataParallelStrategy(**kwargs)
+
+
+def test_constructor_is_keyword_only():
+    with pytest.raises(TypeError):
+        tfdist.DataParallelStrategy(DEVICES)

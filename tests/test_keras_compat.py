@@ -1,0 +1,73 @@
+"""The private TF/Keras hooks: installed, still matching the code they replace, and still needed."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tfdist.strategies import _keras_compat
+
+DEVICES = [f"CPU:{i}" for i in range(4)]
+
+
+def test_installed_versions_are_the_checked_ones():
+    # Fails loudly the day the pins move: re-check every hook, then update CHECKED_ON.
+    assert _keras_compat.versions_match(), (tf.__version__, keras.__version__, _keras_compat.CHECKED_ON)
+
+
+def test_every_hook_still_matches_the_code_it_replaces():
+    _keras_compat.check_hooks()
+
+
+def test_strategy_installs_the_hooks():
+    tfdist.DataParallelStrategy(devices=DEVICES)
+    assert _keras_compat.installed()
+
+
+def test_a_changed_internal_raises_compat_error_naming_the_hook(monkeypatch):
+    def scale_loss_for_distribution(value):
+        return value
+
+    hooks = list(_keras_compat._HOOKS)
+    hooks[0] = ("loss_scaling", scale_loss_for_distribution, ("num_replicas_in_sync",))
+    monkeypatch.setattr(_keras_compat, "_HOOKS", tuple(hooks))
+    with pytest.raises(_keras_compat.CompatError, match=r"'loss_scaling' no longer applies.*num_replicas_in_sync"):
+        _keras_compat.check_hooks()
+
+
+def _mlp(optimizer):
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(1)
+    return rng.normal(size=(10, 5)).astype("float32"), rng.normal(size=(10, 1)).astype("float32")
+
+
+def test_hooks_leave_plain_mirrored_strategy_as_keras_has_it():
+    """Plain MirroredStrategy keeps Keras' per-replica weighting (the bias tfdist fixes).
+
+    If this starts failing, Keras fixed the bias upstream and the loss-scaling hook may go.
+    """
+    tfdist.DataParallelStrategy(devices=DEVICES)  # hooks installed
+    x, y = _data()
+    ref = _mlp(keras.optimizers.SGD(0.1))
+    ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)  # batches of 8 then 2: uneven
+    with tf.distribute.MirroredStrategy(DEVICES).scope():
+        plain = _mlp(keras.optimizers.SGD(0.1))
+    plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    diff = max(np.abs(a - b).max() for a, b in zip(ref.get_weights(), plain.get_weights()))
+    assert diff > 1e-3
+
+
+def test_gradient_accumulation_still_fails_under_plain_mirrored_strategy():
+    """If this starts failing, Keras fixed merge_call-in-cond upstream; revisit the apply hook."""
+    x, y = _data()
+    with tf.distribute.MirroredStrategy(DEVICES).scope():
+        plain = _mlp(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
+    with pytest.raises(RuntimeError, match="merge_call"):
+        plain.fit(x, y, batch_size=8, epochs=1, verbose=0)

@@ -1,0 +1,257 @@
+"""The byte-level corpus the reference language model trains on.
+
+By default the corpus is the Python standard library's own source code: it is
+on every machine that runs tfdist, so examples and tests need no download. Any
+text file or directory of text files works too.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sysconfig
+
+import numpy as np
+import tensorflow as tf
+
+DEFAULT_MAX_BYTES = 4_000_000
+"""`load_corpus` reads at most this many bytes unless told otherwise."""
+
+_SKIPPED_STDLIB_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+)
+_SEPARATOR = b"\n"
+
+
+def _walk_sorted(root: str, skip_dir) -> list[str]:
+    """All files under `root` in sorted, platform-independent order, pruning dirs where skip_dir(name)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not skip_dir(d))
+        found.extend(os.path.join(dirpath, f) for f in sorted(filenames))
+    return found
+
+
+def stdlib_corpus_files() -> list[str]:
+    """Lists the `.py` source files of the running Python's standard library.
+
+    Files come in a deterministic (sorted) order; `site-packages` and the
+    standard library's test suites are left out.
+
+    Returns:
+        Absolute paths of the `.py` files.
+
+    Raises:
+        ValueError: if the standard library directory holds no `.py` files
+            (e.g. a Python distribution that ships only bytecode).
+
+    Example:
+
+    >>> files = stdlib_corpus_files()
+    >>> any(f.endswith("os.py") for f in files)
+    True
+    """
+    root = sysconfig.get_paths()["stdlib"]
+    files = [
+        f
+        for f in _walk_sorted(root, lambda d: d in _SKIPPED_STDLIB_DIRS or d.startswith("."))
+        if f.endswith(".py")
+    ]
+    if not files:
+        raise ValueError(
+            f"The Python standard library at {root!r} holds no .py source files, so the default "
+            "corpus is unavailable. Pass a text file or a directory of text files as the corpus."
+        )
+    return files
+
+
+def _read_text(path: str) -> bytes:
+    """The bytes of `path` if it is readable UTF-8 text without NUL bytes, else b""."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return b""
+    if b"\0" in data:
+        return b""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return b""
+    return data
+
+
+def load_corpus(path: str | os.PathLike | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    """Reads a text corpus as bytes.
+
+    Reads one text file, or every text file under a directory (recursively, in
+    sorted order, hidden entries skipped), or with `path=None` the Python
+    standard library's source (`stdlib_corpus_files`). Files that are not UTF-8
+    text (binary files) are skipped. Files are joined with a newline and the
+    result is cut at `max_bytes`.
+
+    Args:
+        path: a text file or a directory of text files; None for the standard
+            library.
+        max_bytes: the most bytes to return, at least 1.
+
+    Returns:
+        The corpus, at most `max_bytes` long and never empty.
+
+    Raises:
+        ValueError: if `path` does not exist, holds no non-empty text file, or
+            `max_bytes` is not a positive integer.
+
+    Example:
+
+    >>> len(load_corpus(max_bytes=1000))
+    1000
+    """
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ValueError(
+            f"Invalid value for argument `max_bytes` of load_corpus(). Received: max_bytes={max_bytes!r}. "
+            "Expected a positive integer."
+        )
+    if path is None:
+        files = stdlib_corpus_files()
+        source = "the Python standard library"
+    else:
+        path = os.fspath(path)
+        source = repr(path)
+        if os.path.isdir(path):
+            files = _walk_sorted(path, lambda d: d.startswith(".") or d == "__pycache__")
+            files = [f for f in files if not os.path.basename(f).startswith(".")]
+        elif os.path.isfile(path):
+            files = [path]
+        else:
+            raise ValueError(
+                f"Corpus path {path!r} does not exist. Expected a text file or a directory of text files."
+            )
+    pieces, size = [], 0
+    for f in files:
+        text = _read_text(f)
+        if not text:
+            continue
+        if pieces:
+            pieces.append(_SEPARATOR)
+            size += len(_SEPARATOR)
+        pieces.append(text)
+        size += len(text)
+        if size >= max_bytes:
+            break
+    if not pieces:
+        raise ValueError(
+            f"Corpus path {source} holds no text: expected a text file or a directory containing at least "
+            f"one non-empty, readable UTF-8 text file (binary files are skipped; {len(files)} file(s) found)."
+        )
+    return b"".join(pieces)[:max_bytes]
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}.")
+
+
+def _split_point(num_bytes: int, heldout_fraction: float) -> int:
+    """Index of the first held-out byte: the last `heldout_fraction` of the stream is held out."""
+    return num_bytes - math.ceil(num_bytes * heldout_fraction)
+
+
+def window_counts(num_bytes: int, *, seq_len: int, heldout_fraction: float = 0.05) -> tuple[int, int]:
+    """The numbers of training and held-out examples `lm_datasets` makes from `num_bytes` bytes.
+
+    Args:
+        num_bytes: the corpus length.
+        seq_len: tokens per example.
+        heldout_fraction: the share of the corpus held out.
+
+    Returns:
+        `(train_windows, heldout_windows)`.
+
+    Example:
+
+    >>> window_counts(1000, seq_len=9, heldout_fraction=0.1)
+    (90, 10)
+    """
+    split = _split_point(num_bytes, heldout_fraction)
+    return split // (seq_len + 1), (num_bytes - split) // (seq_len + 1)
+
+
+def _windows(stream: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Non-overlapping windows of seq_len + 1 bytes, split into (inputs, next-byte targets)."""
+    n = len(stream) // (seq_len + 1)
+    windows = stream[: n * (seq_len + 1)].reshape(n, seq_len + 1).astype(np.int32)
+    return windows[:, :-1], windows[:, 1:]
+
+
+def lm_datasets(
+    corpus: bytes,
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    heldout_fraction: float = 0.05,
+    seed: int,
+    repeat: bool = False,
+) -> tuple[tf.data.Dataset, tf.data.Dataset]:
+    """Splits a byte corpus into next-byte-prediction datasets for training and evaluation.
+
+    The last `heldout_fraction` of the byte stream is held out; the rest is for
+    training, so the two never share a byte. Each part is cut into
+    non-overlapping windows of `seq_len + 1` bytes; a window gives the inputs
+    `w[:-1]` and the targets `w[1:]`, both int32 of shape `(seq_len,)`.
+    Training windows are shuffled with `seed` (a new, deterministic order every
+    epoch); held-out windows keep their order. Both datasets are batched by the
+    GLOBAL batch size: under a strategy, Keras splits each batch over the
+    replicas. The last batch of a pass may be smaller.
+
+    Args:
+        corpus: the bytes to learn from.
+        seq_len: tokens per example, at least 1.
+        global_batch_size: examples per step over all replicas, at least 1.
+        heldout_fraction: the share of the corpus held out, in (0, 1).
+        seed: the shuffle seed.
+        repeat: repeat the training windows without end, reshuffled each
+            pass, so that every training batch is full (for training by a
+            number of steps rather than by passes over the corpus).
+
+    Returns:
+        `(train_ds, heldout_ds)`, each yielding `(inputs, targets)` batches.
+
+    Raises:
+        ValueError: if a size is not a positive integer, `heldout_fraction` is
+            outside (0, 1), or the corpus is too small for one training and
+            one held-out window.
+
+    Example:
+
+    >>> train, heldout = lm_datasets(b"abcdefghij" * 20, seq_len=4, global_batch_size=8, seed=0)
+    >>> inputs, targets = next(iter(heldout))
+    >>> inputs.shape, targets.shape
+    (TensorShape([2, 4]), TensorShape([2, 4]))
+    """
+    _check_positive_int("seq_len", seq_len)
+    _check_positive_int("global_batch_size", global_batch_size)
+    is_number = isinstance(heldout_fraction, (int, float)) and not isinstance(heldout_fraction, bool)
+    if not is_number or not 0 < heldout_fraction < 1:
+        raise ValueError(
+            f"heldout_fraction must be a number in (0, 1). Received: heldout_fraction={heldout_fraction!r}."
+        )
+    stream = np.frombuffer(bytes(corpus), dtype=np.uint8)
+    split = _split_point(len(stream), heldout_fraction)
+    train_x, train_y = _windows(stream[:split], seq_len)
+    heldout_x, heldout_y = _windows(stream[split:], seq_len)
+    if not len(train_x) or not len(heldout_x):
+        need = math.ceil((seq_len + 1) / min(heldout_fraction, 1 - heldout_fraction))
+        raise ValueError(
+            f"The corpus ({len(stream)} bytes) is too small for seq_len={seq_len} with "
+            f"heldout_fraction={heldout_fraction}: it gives {len(train_x)} training and {len(heldout_x)} "
+            f"held-out window(s) of seq_len + 1 = {seq_len + 1} bytes. Use a corpus of at least "
+            f"{need} bytes or a smaller seq_len."
+        )
+    train = tf.data.Dataset.from_tensor_slices((train_x, train_y))
+    train = train.shuffle(len(train_x), seed=seed, reshuffle_each_iteration=True)
+    if repeat:
+        train = train.repeat()
+    train = train.batch(global_batch_size).prefetch(tf.data.AUTOTUNE)
+    heldout = tf.data.Dataset.from_tensor_slices((heldout_x, heldout_y)).batch(global_batch_size)
+    return train, heldout.prefetch(tf.data.AUTOTUNE)

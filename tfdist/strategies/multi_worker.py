@@ -1,0 +1,156 @@
+"""Multi-worker data parallelism: one process per machine, collectives between them."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+from tensorflow.python.distribute import collective_all_reduce_strategy as collective_lib
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import multi_worker_util
+from tensorflow.python.eager import context
+
+from tfdist import cluster as cluster_lib
+from tfdist.strategies import _keras_compat
+
+COMMUNICATION_CHOICES = ("auto", "ring", "nccl")
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_HEARTBEAT_TIMEOUT = 10.0
+DEFAULT_JOIN_TIMEOUT = 300.0
+
+
+def _positive(name: str, value, *, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        expected = "a positive number of seconds" + (" or None" if allow_none else "")
+        raise ValueError(f"Invalid value for argument `{name}`. Received: {name}={value!r}. Expected {expected}.")
+    return float(value)
+
+
+class _MultiWorkerExtended(_keras_compat.ExactReplicaMixin, collective_lib.CollectiveAllReduceExtended):
+    """CollectiveAllReduceExtended with tfdist's exact loss weighting across workers."""
+
+    def _tfdist_global_count(self, local_count):
+        if self._num_workers == 1:
+            return local_count
+        total = self._host_cross_device_ops.reduce(
+            tf.distribute.ReduceOp.SUM, local_count, destinations=self._worker_device
+        )
+        return self._local_results(total)[0]
+
+
+def _configure_coordination(cluster_resolver, heartbeat_timeout: float, join_timeout: float) -> None:
+    """Sets up TF's coordination service with our bounds (MWMS would use unbounded defaults)."""
+    spec = multi_worker_util.normalize_cluster_spec(cluster_resolver.cluster_spec())
+    if not spec.as_dict() or context.context().coordination_service is not None:
+        return
+    jobs = [
+        coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+        for job in ("chief", "worker")
+        if job in spec.jobs
+    ]
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(spec),
+        coordinated_jobs=jobs,
+        heartbeat_timeout_in_ms=int(heartbeat_timeout * 1000),
+        cluster_register_timeout_in_ms=int(join_timeout * 1000),
+        shutdown_barrier_timeout_in_ms=int(heartbeat_timeout * 1000),
+    )
+
+
+class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+    """Synchronous data parallelism over processes that matches single-device training.
+
+    A `tf.distribute.MultiWorkerMirroredStrategy` with which Keras 3 `fit`,
+    `evaluate` and `predict` work (plain MWMS fails in Keras 3's trainer), each
+    example of the global batch weighs the same even when the batch splits
+    unevenly over workers, and failures are bounded: a dead peer is detected by
+    the coordination-service heartbeat, a stuck peer by the collective
+    `timeout`, and absent peers at start-up by `join_timeout`.
+
+    Construct it first thing in the program, before any TensorFlow op.
+
+    Args:
+        cluster: a `tfdist.cluster.Cluster`; defaults to `tfdist.cluster.resolve()`
+            (TF_CONFIG, then Slurm). Without any, trains in this process alone.
+        communication: collective implementation: "auto", "ring" or "nccl".
+        timeout: seconds a collective may wait for its peers before failing
+            with DeadlineExceeded (a stuck worker); None waits forever.
+        heartbeat_timeout: seconds without a heartbeat after which a peer
+            counts as dead and every worker fails.
+        join_timeout: seconds to wait at start-up for all workers to join.
+
+    Raises:
+        ValueError: for an unknown `communication` or a non-positive timeout.
+        tfdist.cluster.ClusterError: for an invalid cluster description.
+
+    Example (each of two processes, e.g. under `tfdist-launch -n 2`):
+
+    >>> import tfdist  # doctest: +SKIP
+    >>> strategy = tfdist.MultiWorkerStrategy(timeout=120)  # doctest: +SKIP
+    >>> with strategy.scope():  # doctest: +SKIP
+    ...     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="sgd", loss="mse")
+    >>> model.fit(x, y, batch_size=64)  # global batch, split over workers  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        cluster: cluster_lib.Cluster | None = None,
+        communication: str = "auto",
+        timeout: float | None = DEFAULT_TIMEOUT,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+    ):
+        if communication not in COMMUNICATION_CHOICES:
+            raise ValueError(
+                f"Invalid value for argument `communication`. Received: communication={communication!r}. "
+                f"Expected one of {COMMUNICATION_CHOICES}."
+            )
+        timeout = _positive("timeout", timeout, allow_none=True)
+        heartbeat_timeout = _positive("heartbeat_timeout", heartbeat_timeout)
+        join_timeout = _positive("join_timeout", join_timeout)
+        if cluster is None:
+            cluster = cluster_lib.resolve()
+        elif not isinstance(cluster, cluster_lib.Cluster):
+            raise ValueError(
+                f"Invalid value for argument `cluster`. Received: cluster={cluster!r}. Expected a "
+                "tfdist.cluster.Cluster (see tfdist.cluster.resolve) or None."
+            )
+        _keras_compat.install()
+        self._cluster = cluster
+        self._communication = communication
+        self._timeout = timeout
+        resolver = (
+            cluster.cluster_resolver()
+            if cluster is not None
+            else tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec({}))
+        )
+        _configure_coordination(resolver, heartbeat_timeout, join_timeout)
+        options = tf.distribute.experimental.CommunicationOptions(
+            timeout_seconds=timeout,
+            implementation=getattr(tf.distribute.experimental.CommunicationImplementation, communication.upper()),
+        )
+        distribute_lib.Strategy.__init__(
+            self,
+            _MultiWorkerExtended(self, cluster_resolver=resolver, communication_options=options),
+        )
+
+    @property
+    def cluster(self) -> cluster_lib.Cluster | None:
+        """The cluster this strategy spans (None for a single process)."""
+        return self._cluster
+
+    @property
+    def communication(self) -> str:
+        """The collective implementation this strategy was built with."""
+        return self._communication
+
+    def __repr__(self):
+        workers = self._cluster.num_workers if self._cluster else 1
+        return (
+            f"MultiWorkerStrategy(workers={workers}, communication={self._communication!r}, "
+            f"timeout={self._timeout!r})"
+        )

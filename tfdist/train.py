@@ -1,0 +1,254 @@
+"""tfdist-train: trains the reference byte-level transformer LM under a tfdist strategy.
+
+Trains `tfdist.models.transformer_lm` on a byte corpus (by default the Python
+standard library's source), saves a `.keras` checkpoint per epoch and
+TensorBoard logs under --model_dir, and prints a summary: devices, tokens/s,
+train loss, and held-out loss and perplexity before and after training.
+
+Examples:
+
+    tfdist-train                                  # 4 simulated CPU devices, defaults
+    tfdist-train --num_devices=2 --steps=50 --model_dir=/tmp/lm
+    python -m tfdist.train --flagfile=lm.flags
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import contextlib  # noqa: E402
+import importlib.util  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import NoReturn  # noqa: E402
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """Hides what is written to file descriptor 2 meanwhile, and replays it if the block raises.
+
+    TensorFlow's native code logs to stderr before its log level applies (oneDNN and CUDA
+    notices on import, a cuInit error on machines without a GPU driver); those lines are noise
+    to a user of this binary. The binary owns its process, so it may redirect the descriptor.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            captured.seek(0)
+            os.write(2, captured.read())
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+with _native_stderr_silenced():
+    import keras
+    from absl import app
+
+    from tfdist import data as data_lib
+    from tfdist import flags as tfdist_flags
+    from tfdist import models
+
+FLAGS = tfdist_flags.FLAGS
+tfdist_flags.define_flags()
+
+_WARMUP_FRACTION = 0.1
+_MAX_WARMUP_STEPS = 100
+
+
+def _fail(message: str) -> NoReturn:
+    """Ends the binary with a one-line error (no traceback) and exit status 2."""
+    print(f"tfdist-train: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+class _Throughput(keras.callbacks.Callback):
+    """Measures training tokens per second over every step but the first (which compiles)."""
+
+    def __init__(self, *, tokens_per_example: int, examples_in_step):
+        super().__init__()
+        self._tokens_per_example = tokens_per_example
+        self._examples_in_step = examples_in_step
+        self._first_done = False
+        self._start = 0.0
+        self.tokens = 0
+        self.seconds = 0.0
+        self.steps = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        elapsed = time.perf_counter() - self._start
+        if not self._first_done:
+            self._first_done = True
+            return
+        self.seconds += elapsed
+        self.steps += 1
+        self.tokens += self._tokens_per_example * self._examples_in_step(batch)
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds else None
+
+
+def _learning_rate(peak: float, total_steps: int) -> keras.optimizers.schedules.LearningRateSchedule:
+    """Linear warmup to `peak`, then cosine decay to 0 at `total_steps`."""
+    warmup = min(_MAX_WARMUP_STEPS, max(1, int(total_steps * _WARMUP_FRACTION)))
+    return keras.optimizers.schedules.CosineDecay(
+        initial_learning_rate=0.0,
+        decay_steps=max(1, total_steps - warmup),
+        warmup_target=peak,
+        warmup_steps=warmup,
+    )
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(min(loss, 700.0))
+
+
+def _print_summary(rows: list[tuple[str, str]]) -> None:
+    width = max(len(label) for label, _ in rows) + 1
+    print("\ntfdist-train summary")
+    for label, value in rows:
+        print(f"  {label + ':':<{width}} {value}")
+    sys.stdout.flush()
+
+
+def main(argv: list[str]) -> int:
+    """Trains the LM as the flags say; see the module docstring."""
+    if len(argv) > 1:
+        _fail(f"unexpected positional arguments {argv[1:]}; every option is a --flag (see --helpshort).")
+    if importlib.util.find_spec("tensorboard") is None:
+        _fail("TensorBoard logging needs the `tensorboard` package, which is not installed: pip install tensorboard")
+    # TensorFlow logs each strategy and all-reduce it builds at INFO level: noise here.
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)
+
+    try:
+        with _native_stderr_silenced():
+            devices = tfdist_flags.configure_devices_from_flags(FLAGS)
+    except RuntimeError as e:
+        _fail(str(e))
+    strategy = tfdist_flags.strategy_from_flags(FLAGS)
+    replicas = strategy.num_replicas_in_sync
+
+    try:
+        corpus = data_lib.load_corpus(FLAGS.corpus, max_bytes=FLAGS.max_corpus_bytes)
+    except ValueError as e:
+        _fail(f"--corpus: {e}")
+    try:
+        train_ds, heldout_ds = data_lib.lm_datasets(
+            corpus,
+            seq_len=FLAGS.seq_len,
+            global_batch_size=FLAGS.global_batch_size,
+            seed=FLAGS.seed,
+            repeat=FLAGS.steps > 0,
+        )
+    except ValueError as e:
+        _fail(f"--corpus / --seq_len: {e}")
+    train_windows, heldout_windows = data_lib.window_counts(len(corpus), seq_len=FLAGS.seq_len)
+    batch = FLAGS.global_batch_size
+    if FLAGS.steps:
+        steps_per_epoch = FLAGS.steps
+        examples_in_step = lambda step: batch
+    else:
+        steps_per_epoch = math.ceil(train_windows / batch)
+        examples_in_step = lambda step: min(batch, train_windows - step * batch)
+
+    model_dir = FLAGS.model_dir or tempfile.mkdtemp(prefix="tfdist-train-")
+    checkpoint_dir = os.path.join(model_dir, "checkpoints")
+    log_dir = os.path.join(model_dir, "logs")
+    os.makedirs(checkpoint_dir, exist_ok=True)
+
+    keras.utils.set_random_seed(FLAGS.seed)
+    with strategy.scope():
+        model = models.transformer_lm(
+            seq_len=FLAGS.seq_len,
+            d_model=FLAGS.d_model,
+            num_heads=FLAGS.num_heads,
+            num_layers=FLAGS.num_layers,
+        )
+        optimizer = keras.optimizers.AdamW(
+            learning_rate=_learning_rate(FLAGS.learning_rate, FLAGS.epochs * steps_per_epoch),
+            weight_decay=0.01,
+        )
+        optimizer.exclude_from_weight_decay(var_names=["bias", "gamma", "beta", "embeddings"])
+        model.compile(
+            optimizer=optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+
+    untrained = model.evaluate(heldout_ds, verbose=0, return_dict=True)["loss"]
+    throughput = _Throughput(tokens_per_example=FLAGS.seq_len, examples_in_step=examples_in_step)
+    checkpoint_pattern = os.path.join(checkpoint_dir, "epoch_{epoch:03d}.keras")
+    history = model.fit(
+        train_ds,
+        epochs=FLAGS.epochs,
+        steps_per_epoch=steps_per_epoch,
+        validation_data=heldout_ds,
+        shuffle=False,  # lm_datasets shuffles the training windows.
+        callbacks=[
+            keras.callbacks.ModelCheckpoint(checkpoint_pattern),
+            keras.callbacks.TensorBoard(log_dir=log_dir),
+            throughput,
+        ],
+        verbose=1 if sys.stdout.isatty() else 2,
+    )
+    trained = history.history["val_loss"][-1]
+
+    rate = throughput.tokens_per_second
+    _print_summary(
+        [
+            ("strategy", f"{type(strategy).__name__} ({FLAGS.strategy}), {replicas} replica(s)"),
+            ("devices", ", ".join(devices)),
+            (
+                "model",
+                f"transformer_lm, {FLAGS.num_layers} layer(s), d_model {FLAGS.d_model}, "
+                f"{FLAGS.num_heads} heads, seq_len {FLAGS.seq_len}, {model.count_params():,} parameters",
+            ),
+            (
+                "corpus",
+                f"{FLAGS.corpus or 'Python standard library'}: {len(corpus):,} bytes, "
+                f"{train_windows:,} training / {heldout_windows:,} held-out windows",
+            ),
+            (
+                "training",
+                f"{FLAGS.epochs} epoch(s) x {steps_per_epoch} steps, global batch {batch} "
+                f"over {replicas} replica(s)",
+            ),
+            (
+                "tokens/s",
+                f"{rate:,.0f} (over {throughput.steps} steps, the first compiling step excluded)"
+                if rate
+                else "n/a (only the first, compiling step ran)",
+            ),
+            ("train loss", f"{history.history['loss'][-1]:.4f} (mean over the last epoch)"),
+            ("held-out loss (untrained)", f"{untrained:.4f}"),
+            ("held-out loss (trained)", f"{trained:.4f}"),
+            ("held-out perplexity (untrained)", f"{_perplexity(untrained):.2f}"),
+            ("held-out perplexity (trained)", f"{_perplexity(trained):.2f}"),
+            ("checkpoint", checkpoint_pattern.format(epoch=FLAGS.epochs)),
+            ("TensorBoard logs", log_dir),
+        ]
+    )
+    return 0
+
+
+def run() -> None:
+    """Entry point of the `tfdist-train` console script."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
