@@ -117,7 +117,9 @@ def test_adam_matches_single_device():
 )
 def test_clipping_acts_on_the_all_reduced_gradient(clip):
     x, y = data(42)
-    ref, ref_hist, dist, dist_hist = train_both(lambda: keras.optimizers.SGD(0.5, **clip), x, y, batch_size=16)
+    ref, ref_hist, dist, dist_hist = train_both(
+        lambda: keras.optimizers.SGD(0.5, **clip), x, y, batch_size=16
+    )
     assert_weights_close(ref, dist, SGD_ATOL)
     np.testing.assert_allclose(dist_hist["loss"], ref_hist["loss"], rtol=LOSS_RTOL)
 
@@ -137,8 +139,9 @@ def test_gradient_accumulation_matches_single_device(optimizer):
     assert int(dist.optimizer.iterations.numpy()) == int(ref.optimizer.iterations.numpy()) == micro_steps // 3
 
 
-def test_evaluate_and_predict_match_single_device():
-    x, y = data(42)
+@pytest.mark.parametrize("n", [42, 34])  # 34: the last batch of 2 leaves two replicas empty
+def test_evaluate_and_predict_match_single_device(n):
+    x, y = data(n)
     ref, _, dist, _ = train_both(sgd, x, y, batch_size=16, epochs=1)
     ref_eval = ref.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
     dist_eval = dist.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
@@ -211,3 +214,58 @@ def test_bad_arguments_name_the_problem(kwargs, message):
 def test_constructor_is_keyword_only():
     with pytest.raises(TypeError):
         tfdist.DataParallelStrategy(DEVICES)
+
+
+def test_custom_training_loop_matches_single_device():
+    """strategy.run with a Keras loss and optimizer.apply: each replica weighted by its examples."""
+    x, y = data(42)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def train(model, strategy=None):
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            model.optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+        if strategy is None:
+            for xb, yb in dataset:
+                tf.function(step)(xb, yb)
+            return
+        run = tf.function(lambda xb, yb: strategy.run(step, args=(xb, yb)))
+        for xb, yb in strategy.experimental_distribute_dataset(dataset):
+            run(xb, yb)
+
+    ref = cnn(sgd)
+    train(ref)
+    strategy = tfdist.DataParallelStrategy(devices=DEVICES)
+    with strategy.scope():
+        dist = cnn(sgd)
+    train(dist, strategy)
+    assert_weights_close(ref, dist, SGD_ATOL)
+
+
+@pytest.mark.parametrize("compile_kwargs", [{"steps_per_execution": 3}, {"run_eagerly": True}], ids=str)
+def test_fit_modes_match_single_device(compile_kwargs):
+    x, y = data(34)
+
+    def make():
+        model = cnn(sgd)
+        model.compile(
+            optimizer=sgd(),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            **compile_kwargs,
+        )
+        return model
+
+    fit = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0, "validation_data": (x[:10], y[:10])}
+    ref = make()
+    ref_hist = ref.fit(x, y, **fit).history
+    with tfdist.DataParallelStrategy(devices=DEVICES).scope():
+        dist = make()
+    dist_hist = dist.fit(x, y, **fit).history
+    assert_weights_close(ref, dist, SGD_ATOL)
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+        np.testing.assert_allclose(dist_hist[key], ref_hist[key], rtol=LOSS_RTOL, err_msg=key)

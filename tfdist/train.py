@@ -136,6 +136,18 @@ def main(argv: list[str]) -> int:
     logging.getLogger("tensorflow").setLevel(logging.ERROR)
 
     try:
+        corpus = data_lib.load_corpus(FLAGS.corpus, max_bytes=FLAGS.max_corpus_bytes)
+    except ValueError as e:
+        _fail(f"--corpus: {e}")
+    model_dir = FLAGS.model_dir or tempfile.mkdtemp(prefix="tfdist-train-")
+    checkpoint_dir = os.path.join(model_dir, "checkpoints")
+    log_dir = os.path.join(model_dir, "logs")
+    try:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+    except OSError as e:
+        _fail(f"--model_dir: cannot create {checkpoint_dir!r}: {e}")
+
+    try:
         with _native_stderr_silenced():
             devices = tfdist_flags.configure_devices_from_flags(FLAGS)
     except RuntimeError as e:
@@ -143,10 +155,6 @@ def main(argv: list[str]) -> int:
     strategy = tfdist_flags.strategy_from_flags(FLAGS)
     replicas = strategy.num_replicas_in_sync
 
-    try:
-        corpus = data_lib.load_corpus(FLAGS.corpus, max_bytes=FLAGS.max_corpus_bytes)
-    except ValueError as e:
-        _fail(f"--corpus: {e}")
     try:
         train_ds, heldout_ds = data_lib.lm_datasets(
             corpus,
@@ -165,11 +173,6 @@ def main(argv: list[str]) -> int:
     else:
         steps_per_epoch = math.ceil(train_windows / batch)
         examples_in_step = lambda step: min(batch, train_windows - step * batch)
-
-    model_dir = FLAGS.model_dir or tempfile.mkdtemp(prefix="tfdist-train-")
-    checkpoint_dir = os.path.join(model_dir, "checkpoints")
-    log_dir = os.path.join(model_dir, "logs")
-    os.makedirs(checkpoint_dir, exist_ok=True)
 
     keras.utils.set_random_seed(FLAGS.seed)
     with strategy.scope():
@@ -224,8 +227,7 @@ def main(argv: list[str]) -> int:
             ),
             (
                 "training",
-                f"{FLAGS.epochs} epoch(s) x {steps_per_epoch} steps, global batch {batch} "
-                f"over {replicas} replica(s)",
+                f"{FLAGS.epochs} epoch(s) x {steps_per_epoch} steps, global batch {batch} over {replicas} replica(s)",
             ),
             (
                 "tokens/s",

@@ -308,17 +308,23 @@ class ExactReplicaMixin:
         return tf_values.PerReplica(parts)
 
 
+_KERAS_STEPS = ("train_step", "test_step", "predict_step")
+# Keras' predict function runs a local closure over the model, not the bound predict_step.
+_KERAS_PREDICT_CLOSURE = "make_predict_function.<locals>.one_step_on_data"
+
+
 def _keras_step_model(fn):
-    """The Keras model when `fn` is (a wrapper of) its train/test/predict step method, else None."""
+    """The Keras model when `fn` is (a wrapper of) its train/test/predict step, else None."""
     _, target = tf_decorator.unwrap(fn)
     for _ in range(8):  # tf_convert and functools wrappers, a few deep
         owner = getattr(target, "__self__", None)
-        if isinstance(owner, keras.Model) and getattr(target, "__name__", "") in (
-            "train_step",
-            "test_step",
-            "predict_step",
-        ):
+        if isinstance(owner, keras.Model) and getattr(target, "__name__", "") in _KERAS_STEPS:
             return owner
+        if getattr(target, "__qualname__", "").endswith(_KERAS_PREDICT_CLOSURE) and hasattr(target, "__code__"):
+            cells = dict(zip(target.__code__.co_freevars, target.__closure__ or ()))
+            owner = cells["self"].cell_contents if "self" in cells else None
+            if isinstance(owner, keras.Model):  # else a wrapper carrying the same name
+                return owner
         target = getattr(target, "__wrapped__", None)
         if target is None:
             return None
@@ -393,6 +399,11 @@ _HOOKS = (
         "symbolic_build",
         keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build,
         ('self.distribute_strategy.reduce(', '"MEAN"', "self._symbolic_build(data_batch=data_batch)"),
+    ),
+    (
+        "predict_closure",
+        keras_tf_trainer.TensorFlowTrainer.make_predict_function,
+        ("def one_step_on_data(data):", "return self.predict_step(data)", "distribute_strategy.run("),
     ),
     (
         "train_step_scaling",

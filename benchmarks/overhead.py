@@ -1,0 +1,107 @@
+"""Step time of tfdist.DataParallelStrategy vs raw tf.distribute.MirroredStrategy.
+
+Both strategies train the same model on the same devices in one process; rounds alternate
+which strategy goes first, and each round times a block of steps per strategy. The figure is
+the median over rounds of (tfdist step time / raw step time); goal <= 1.02.
+
+    python -m benchmarks.overhead --devices 4 --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def build(strategy, width, depth, seed=0):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        layers = [keras.Input((width,))]
+        layers += [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+        layers += [keras.layers.Dense(10)]
+        model = keras.Sequential(layers)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    return model
+
+
+def time_steps(model, dataset, steps):
+    """Seconds per step for `steps` steps (one epoch of fit, the model already traced)."""
+    start = time.perf_counter()
+    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False)
+    return (time.perf_counter() - start) / steps
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--global_batch_size", type=int, default=256)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--no_write", action="store_true", help="print only; leave RESULTS.md alone")
+    args = parser.parse_args(argv)
+
+    import tfdist
+
+    tfdist.simulate_devices(args.devices)  # logical CPUs; GPUs, when present, are used instead
+    import numpy as np
+    import tensorflow as tf
+
+    devices = tfdist.devices.default_devices()[: args.devices]
+    strategies = {
+        "raw MirroredStrategy": tf.distribute.MirroredStrategy(devices),
+        "tfdist DataParallelStrategy": tfdist.DataParallelStrategy(devices=devices),
+    }
+    rng = np.random.default_rng(0)
+    n = args.global_batch_size * args.steps
+    x = rng.normal(size=(n, args.width)).astype("float32")
+    y = rng.integers(0, 10, size=(n,)).astype("int32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch_size).repeat().prefetch(2)
+    models = {name: build(s, args.width, args.depth) for name, s in strategies.items()}
+    for model in models.values():  # trace and warm up
+        time_steps(model, dataset, 5)
+
+    names = list(models)
+    times = {name: [] for name in names}
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            times[name].append(time_steps(models[name], dataset, args.steps))
+    raw, ours = names
+    ratios = [t / b for t, b in zip(times[ours], times[raw])]
+    median = statistics.median(ratios)
+    body = (
+        f"Model: MLP {args.depth}x{args.width} (+10-way head), SGD; global batch {args.global_batch_size} "
+        f"over {len(devices)} devices ({', '.join(devices)}); {args.rounds} rounds of {args.steps} steps, "
+        "order alternating.\n\n"
+        "| strategy | median step time (ms) | min-max (ms) |\n|---|---|---|\n"
+        + "".join(
+            f"| {name} | {1e3 * statistics.median(times[name]):.2f} | "
+            f"{1e3 * min(times[name]):.2f}-{1e3 * max(times[name]):.2f} |\n"
+            for name in names
+        )
+        + f"\n**Step-time ratio tfdist / raw: median {median:.3f}** (min {min(ratios):.3f}, max "
+        f"{max(ratios):.3f}; goal <= 1.02).\n"
+    )
+    print(body)
+    if not args.no_write:
+        from benchmarks import _results
+
+        _results.write_section("DataParallelStrategy overhead", "python -m benchmarks.overhead " +
+                               " ".join(argv if argv is not None else sys.argv[1:]), body)
+    return median
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The tfdist-train binary, run as a user runs it: a subprocess with flags, bounded by a timeout."""
+
+import glob
+import math
+import os
+import re
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from tfdist import models  # noqa: F401  (registers the model's layers for load_model)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_TIMEOUT_S = 200
+ERROR_TIMEOUT_S = 60
+SEQ_LEN = 32
+
+
+def run_train(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tfdist.train", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": REPO},
+        cwd=REPO,
+    )
+
+
+def summary_value(stdout: str, label: str) -> str:
+    found = re.search(rf"^  {re.escape(label)}:\s+(.*)$", stdout, re.MULTILINE)
+    assert found, f"no {label!r} line in the summary:\n{stdout}"
+    return found.group(1)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One short run on 2 simulated devices, with its flags read from a --flagfile."""
+    model_dir = tmp_path_factory.mktemp("model_dir")
+    flagfile = model_dir.parent / "train.flags"
+    flagfile.write_text(
+        "\n".join(
+            [
+                "--num_devices=2",
+                "--global_batch_size=16",
+                f"--seq_len={SEQ_LEN}",
+                "--d_model=64",
+                "--num_heads=2",
+                "--num_layers=1",
+                "--steps=0",  # whole corpus per epoch
+                "--epochs=2",
+                "--max_corpus_bytes=40000",
+                "--learning_rate=0.005",
+            ]
+        )
+    )
+    result = run_train(f"--flagfile={flagfile}", f"--model_dir={model_dir}", timeout=TRAIN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, model_dir
+
+
+def test_runs_on_two_replicas_from_a_flagfile(trained):
+    result, _ = trained
+    assert "tfdist-train summary" in result.stdout
+    assert summary_value(result.stdout, "strategy").startswith("DataParallelStrategy (auto), 2 replica(s)")
+    assert summary_value(result.stdout, "devices").count("CPU") == 2
+    # 40000 bytes: 38000 training bytes -> 1151 windows of 33 -> 72 steps of 16 per epoch.
+    assert summary_value(result.stdout, "training").startswith("2 epoch(s) x 72 steps, global batch 16")
+    assert float(summary_value(result.stdout, "tokens/s").split()[0].replace(",", "")) > 0
+    assert "Traceback" not in result.stderr
+
+
+def test_held_out_perplexity_falls_well_below_the_untrained_model(trained):
+    result, _ = trained
+    untrained = float(summary_value(result.stdout, "held-out perplexity (untrained)"))
+    after = float(summary_value(result.stdout, "held-out perplexity (trained)"))
+    loss = float(summary_value(result.stdout, "held-out loss (trained)"))
+    assert 150 < untrained < 400  # about the vocabulary size, 256, before training
+    assert after < untrained / 4
+    assert after == pytest.approx(math.exp(loss), rel=1e-3)
+
+
+def test_writes_a_loadable_checkpoint_and_tensorboard_events(trained):
+    result, model_dir = trained
+    checkpoint = summary_value(result.stdout, "checkpoint")
+    assert checkpoint == str(model_dir / "checkpoints" / "epoch_002.keras")
+    assert os.path.isfile(checkpoint)
+    assert summary_value(result.stdout, "TensorBoard logs") == str(model_dir / "logs")
+    assert glob.glob(str(model_dir / "logs" / "train" / "events.out.tfevents.*"))
+    assert glob.glob(str(model_dir / "logs" / "validation" / "events.out.tfevents.*"))
+    model = keras.saving.load_model(checkpoint)
+    assert tuple(model(np.zeros((1, SEQ_LEN), np.int32)).shape) == (1, SEQ_LEN, 256)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--strategy=bogus"], r"--strategy=bogus.*auto\|data"),
+        (["--global_batch_size=0"], r"--global_batch_size=0.*not a positive integer"),
+        (["--num_heads=3"], r"--num_heads must divide --d_model"),
+        (["positional"], r"unexpected positional arguments \['positional'\]"),
+    ],
+)
+def test_bad_flags_fail_naming_the_flag(args, expected):
+    result = run_train(*args, timeout=ERROR_TIMEOUT_S)
+    assert result.returncode != 0
+    assert re.search(expected, result.stderr), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_corpus_without_text_fails_naming_the_path(tmp_path):
+    empty = tmp_path / "empty_corpus"
+    empty.mkdir()
+    result = run_train(f"--corpus={empty}", f"--model_dir={tmp_path / 'out'}", timeout=ERROR_TIMEOUT_S)
+    assert result.returncode != 0
+    assert re.search(rf"--corpus: Corpus path '{re.escape(str(empty))}' holds no text", result.stderr)
+    assert "Traceback" not in result.stderr
