@@ -33,6 +33,8 @@ def _native_stderr_silenced():
     TensorFlow's native code logs to stderr before its log level applies (oneDNN and CUDA
     notices on import, a cuInit error on machines without a GPU driver); those lines are noise
     to a user of this binary. The binary owns its process, so it may redirect the descriptor.
+    (Only what happens inside the block is hidden: if the `tfdist` package already imported
+    TensorFlow, its import-time notices were printed before this module ran.)
     """
     sys.stderr.flush()
     saved = os.dup(2)
@@ -54,11 +56,17 @@ def _native_stderr_silenced():
 
 with _native_stderr_silenced():
     import keras
+    import tensorflow as tf
     from absl import app
 
     from tfdist import data as data_lib
     from tfdist import flags as tfdist_flags
     from tfdist import models
+
+    # TensorFlow registers an absl init hook (tensorflow.python.distribute.combinations) that lists
+    # the physical GPUs when app.run starts; on a machine without a CUDA driver the first listing
+    # logs a cuInit error. List them once here, quietly. (This does not start the runtime.)
+    tf.config.list_physical_devices("GPU")
 
 FLAGS = tfdist_flags.FLAGS
 tfdist_flags.define_flags()
@@ -148,8 +156,7 @@ def main(argv: list[str]) -> int:
         _fail(f"--model_dir: cannot create {checkpoint_dir!r}: {e}")
 
     try:
-        with _native_stderr_silenced():
-            devices = tfdist_flags.configure_devices_from_flags(FLAGS)
+        devices = tfdist_flags.configure_devices_from_flags(FLAGS)
     except RuntimeError as e:
         _fail(str(e))
     strategy = tfdist_flags.strategy_from_flags(FLAGS)

@@ -1,15 +1,17 @@
 """Every private TensorFlow / Keras hook tfdist relies on, in one place.
 
 Plain Keras 3 under `tf.distribute.MirroredStrategy` (measured on TF 2.21,
-Keras 3.15) is wrong in three ways that tfdist corrects:
+Keras 3.15) is wrong or broken in four ways that tfdist corrects:
 
 1. Loss scaling. Keras scales each replica's mean loss by 1 / replicas, so a
    global batch that splits unevenly (10 examples over 4 replicas) weights a
    replica holding 1 example like one holding 3. tfdist weights each replica by
    its share of the global batch (n_replica / n_global), which makes the summed
-   gradient exactly the single-device gradient. Hooks: Keras'
-   `scale_loss_for_distribution` / `unscale_loss_for_distribution`, and the
-   strategy's `_call_for_each_replica`, which computes the shares.
+   gradient exactly the single-device gradient. A replica left without examples
+   (global batch smaller than the replica count) runs on a padding copy of one
+   example with share 0, its metric updates undone and its outputs dropped.
+   Hooks: Keras' `scale_loss_for_distribution` / `unscale_loss_for_distribution`,
+   and the strategy's `_call_for_each_replica`, which computes the shares.
 2. Gradient clipping and accumulation. Keras clips each replica's gradient
    before the all-reduce, and its accumulation step calls `merge_call` inside a
    `cond` branch, which tf.distribute forbids. tfdist all-reduces first, then
@@ -19,6 +21,9 @@ Keras 3.15) is wrong in three ways that tfdist corrects:
 3. Symbolic build. Keras builds the model on the replica-MEAN of the first
    batch, which crashes (`AddN`) when the first batch splits unevenly. tfdist
    builds on one replica's local batch. Hook: `TensorFlowTrainer._maybe_symbolic_build`.
+4. `steps_per_execution > 1` fails at run time under MirroredStrategy (a nested
+   tf.function in a cond in a while loop). tfdist traces the step inline.
+   Hook: `TensorFlowTrainer._make_function`.
 
 The hooks act only under tfdist strategies; other strategies keep Keras'
 behaviour. Each hook checks at install time that the code it replaces still
@@ -199,6 +204,41 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         break
     with strategy.scope():
         self._symbolic_build(data_batch=data_batch)
+
+
+# --------------------------------------------------------------------------------------------
+# Hook 4: steps_per_execution > 1. Keras runs its nested `one_step_on_data` tf.function inside a
+# cond inside a while loop; with distributed inputs that graph fails at run time ("You must feed a
+# value for placeholder tensor 'while/cond/Placeholder'") under any MirroredStrategy. Under tfdist
+# strategies the step is traced inline into the loop instead (same ops, no nested function).
+# --------------------------------------------------------------------------------------------
+_original_make_function = keras_tf_trainer.TensorFlowTrainer._make_function
+_make_function_lock = threading.Lock()
+
+
+class _InlineStepTensorFlow:
+    """Stands in for the `tf` module inside Keras' trainer while it builds a step function."""
+
+    def __getattr__(self, name):
+        return getattr(tf, name)
+
+    @staticmethod
+    def function(func=None, **kwargs):
+        if func is not None and getattr(func, "__name__", "") == "one_step_on_data":
+            return func
+        return tf.function(func, **kwargs) if func is not None else tf.function(**kwargs)
+
+
+def _make_function(self, step_function):
+    strategy = self._distribute_strategy
+    if strategy is None or not _is_exact_strategy(strategy) or self.steps_per_execution == 1:
+        return _original_make_function(self, step_function)
+    with _make_function_lock:
+        keras_tf_trainer.tf = _InlineStepTensorFlow()
+        try:
+            return _original_make_function(self, step_function)
+        finally:
+            keras_tf_trainer.tf = tf
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,6 +441,11 @@ _HOOKS = (
         ('self.distribute_strategy.reduce(', '"MEAN"', "self._symbolic_build(data_batch=data_batch)"),
     ),
     (
+        "inline_step",
+        keras_tf_trainer.TensorFlowTrainer._make_function,
+        ("def one_step_on_data(data):", "one_step_on_data = tf.function(", "tf.while_loop("),
+    ),
+    (
         "predict_closure",
         keras_tf_trainer.TensorFlowTrainer.make_predict_function,
         ("def one_step_on_data(data):", "return self.predict_step(data)", "distribute_strategy.run("),
@@ -451,6 +496,7 @@ def install() -> None:
         keras_loss.unscale_loss_for_distribution = _unscale_loss_for_distribution
         keras_tf_optimizer.TFOptimizer.apply = _apply
         keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+        keras_tf_trainer.TensorFlowTrainer._make_function = _make_function
         keras_tf_trainer.reduce_per_replica = _reduce_per_replica
         _installed = True
 
@@ -463,5 +509,6 @@ def installed() -> bool:
         and keras_loss.unscale_loss_for_distribution is _unscale_loss_for_distribution
         and keras_tf_optimizer.TFOptimizer.apply is _apply
         and keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build is _maybe_symbolic_build
+        and keras_tf_trainer.TensorFlowTrainer._make_function is _make_function
         and keras_tf_trainer.reduce_per_replica is _reduce_per_replica
     )
