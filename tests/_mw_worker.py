@@ -45,7 +45,7 @@ class Sabotage(keras.callbacks.Callback):
         if rank != int(OPTS.get("die_rank", 1)) or self.model.optimizer.iterations.numpy() < 3:
             return
         if MODE == "die":
-            print("worker dies now", flush=True)
+            print(f"worker dies at {time.time()}", flush=True)
             os._exit(17)
         if MODE == "stuck":
             print("worker is stuck now", flush=True)

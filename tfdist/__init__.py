@@ -1,13 +1,36 @@
 """tfdist: distributed training for Keras 3 on TensorFlow.
 
-Importing tfdist does not start TensorFlow's runtime, so `simulate_devices`
-may follow it.
+Importing tfdist is cheap and loads nothing of TensorFlow: each public name is
+imported on first use. A binary can therefore set TensorFlow's environment
+(log level, DTensor options) after `import tfdist`, and `simulate_devices` may
+follow the import.
 """
 
-from tfdist import cluster, devices
-from tfdist.devices import simulate_devices
-from tfdist.strategies import DataParallelStrategy, MultiWorkerStrategy
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["DataParallelStrategy", "MultiWorkerStrategy", "cluster", "devices", "simulate_devices", "__version__"]
+# Public name -> module that defines it; loaded on first attribute access.
+_PUBLIC = {
+    "simulate_devices": "tfdist.devices",
+    "DataParallelStrategy": "tfdist.strategies.data_parallel",
+    "MultiWorkerStrategy": "tfdist.strategies.multi_worker",
+}
+_SUBMODULES = ("cluster", "devices")
+
+__all__ = sorted([*_PUBLIC, *_SUBMODULES, "__version__"])
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"tfdist.{name}")
+    else:
+        raise AttributeError(f"module 'tfdist' has no attribute {name!r}; public names: {__all__}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -15,12 +15,16 @@ import itertools
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from collections.abc import Sequence
 
 DEFAULT_SLURM_PORT = 8476
 """Port of the first task on each Slurm node; the k-th task on a node uses this + k."""
 
 TASK_TYPES = ("chief", "worker")
+
+JOIN_TIMEOUT_ENV = "TFDIST_JOIN_TIMEOUT"
+"""Set by `tfdist-launch`: the default `join_timeout` of `tfdist.MultiWorkerStrategy`, in seconds."""
 
 
 class ClusterError(ValueError):
@@ -355,3 +359,30 @@ def resolve(
     if env.get("SLURM_JOB_NODELIST") or env.get("SLURM_STEP_NODELIST"):
         return from_slurm(env, port=slurm_port)
     return None
+
+
+def join_timeout(env: Mapping[str, str] | None = None) -> float | None:
+    """The start-up join timeout `tfdist-launch` passes to its workers, or None.
+
+    Args:
+        env: the environment to read; defaults to `os.environ`.
+
+    Raises:
+        ClusterError: when `TFDIST_JOIN_TIMEOUT` is not a positive number.
+
+    Example:
+
+    >>> join_timeout(env={"TFDIST_JOIN_TIMEOUT": "30"})
+    30.0
+    """
+    env = os.environ if env is None else env
+    value = env.get(JOIN_TIMEOUT_ENV)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ClusterError(f"{JOIN_TIMEOUT_ENV}={value!r} is not a positive number of seconds.")
+    return seconds

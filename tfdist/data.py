@@ -17,9 +17,7 @@ import tensorflow as tf
 DEFAULT_MAX_BYTES = 4_000_000
 """`load_corpus` reads at most this many bytes unless told otherwise."""
 
-_SKIPPED_STDLIB_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-)
+_SKIPPED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 _SEPARATOR = b"\n"
 
 
@@ -53,9 +51,7 @@ def stdlib_corpus_files() -> list[str]:
     """
     root = sysconfig.get_paths()["stdlib"]
     files = [
-        f
-        for f in _walk_sorted(root, lambda d: d in _SKIPPED_STDLIB_DIRS or d.startswith("."))
-        if f.endswith(".py")
+        f for f in _walk_sorted(root, lambda d: d in _SKIPPED_STDLIB_DIRS or d.startswith(".")) if f.endswith(".py")
     ]
     if not files:
         raise ValueError(
@@ -124,9 +120,7 @@ def load_corpus(path: str | os.PathLike | None = None, *, max_bytes: int = DEFAU
         elif os.path.isfile(path):
             files = [path]
         else:
-            raise ValueError(
-                f"Corpus path {path!r} does not exist. Expected a text file or a directory of text files."
-            )
+            raise ValueError(f"Corpus path {path!r} does not exist. Expected a text file or a directory of text files.")
     pieces, size = [], 0
     for f in files:
         text = _read_text(f)

@@ -17,7 +17,7 @@ from absl import flags
 
 from tfdist import data as data_lib
 from tfdist import devices as devices_lib
-from tfdist.strategies import DataParallelStrategy
+from tfdist.strategies.data_parallel import DataParallelStrategy
 
 FLAGS = flags.FLAGS
 
@@ -67,9 +67,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
         flag_values,
         **positive,
     )
-    _define(
-        "integer", "global_batch_size", 32, "Examples per step over all replicas.", flag_values, **positive
-    )
+    _define("integer", "global_batch_size", 32, "Examples per step over all replicas.", flag_values, **positive)
     _define("integer", "epochs", 1, "Number of epochs.", flag_values, **positive)
     _define(
         "integer",
@@ -79,9 +77,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
         flag_values,
         lower_bound=0,
     )
-    _define(
-        "integer", "seq_len", 64, "Bytes per training example (the context length).", flag_values, **positive
-    )
+    _define("integer", "seq_len", 64, "Bytes per training example (the context length).", flag_values, **positive)
     _define("integer", "d_model", 128, "Width of the transformer's residual stream.", flag_values, **positive)
     if _define("integer", "num_heads", 4, "Attention heads; must divide --d_model.", flag_values, **positive):
         flags.register_multi_flags_validator(
@@ -96,8 +92,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
         "string",
         "corpus",
         None,
-        "A text file or a directory of text files to train on; default: the Python standard "
-        "library's own source.",
+        "A text file or a directory of text files to train on; default: the Python standard library's own source.",
         flag_values,
     )
     _define(
@@ -175,6 +170,4 @@ def strategy_from_flags(flag_values: flags.FlagValues = FLAGS) -> tf.distribute.
     name = flag_values.strategy
     if name in ("auto", "data"):
         return DataParallelStrategy()
-    raise ValueError(
-        f"Invalid value for flag --strategy. Received: --strategy={name!r}. Expected one of {STRATEGIES}."
-    )
+    raise ValueError(f"Invalid value for flag --strategy. Received: --strategy={name!r}. Expected one of {STRATEGIES}.")

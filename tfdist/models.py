@@ -43,7 +43,7 @@ class PositionEmbedding(keras.layers.Layer):
     Example:
 
     >>> import numpy as np
-    >>> PositionEmbedding(max_length=8)(np.zeros((2, 5, 3), "float32")).shape
+    >>> tuple(PositionEmbedding(max_length=8)(np.zeros((2, 5, 3), "float32")).shape)
     (2, 5, 3)
     """
 
@@ -81,7 +81,7 @@ class TransformerBlock(keras.layers.Layer):
 
     >>> import numpy as np
     >>> block = TransformerBlock(d_model=8, num_heads=2, mlp_dim=16)
-    >>> block(np.zeros((1, 4, 8), "float32")).shape
+    >>> tuple(block(np.zeros((1, 4, 8), "float32")).shape)
     (1, 4, 8)
     """
 
@@ -196,15 +196,13 @@ def transformer_lm(
 
     init = keras.initializers.RandomNormal(stddev=_INIT_STDDEV)
     tokens = keras.Input(shape=(seq_len,), dtype="int32", name="tokens")
-    x = keras.layers.Embedding(vocab_size, d_model, embeddings_initializer=init, name="token_embedding")(
-        tokens
-    )
+    x = keras.layers.Embedding(vocab_size, d_model, embeddings_initializer=init, name="token_embedding")(tokens)
     x = PositionEmbedding(max_length=seq_len, name="position_embedding")(x)
     x = keras.layers.Dropout(dropout, name="embedding_dropout")(x)
     for i in range(num_layers):
-        x = TransformerBlock(
-            d_model=d_model, num_heads=num_heads, mlp_dim=mlp_dim, dropout=dropout, name=f"block_{i}"
-        )(x)
+        x = TransformerBlock(d_model=d_model, num_heads=num_heads, mlp_dim=mlp_dim, dropout=dropout, name=f"block_{i}")(
+            x
+        )
     x = keras.layers.LayerNormalization(epsilon=1e-5, name="final_norm")(x)
     logits = keras.layers.Dense(vocab_size, kernel_initializer=init, name="logits")(x)
     return keras.Model(tokens, logits, name="transformer_lm")

@@ -58,6 +58,7 @@ with _native_stderr_silenced():
     import keras
     import tensorflow as tf
     from absl import app
+    from absl import flags
 
     from tfdist import data as data_lib
     from tfdist import flags as tfdist_flags
@@ -70,6 +71,7 @@ with _native_stderr_silenced():
 
 FLAGS = tfdist_flags.FLAGS
 tfdist_flags.define_flags()
+flags.adopt_module_key_flags(tfdist_flags)  # --helpshort lists them
 
 _WARMUP_FRACTION = 0.1
 _MAX_WARMUP_STEPS = 100
@@ -205,7 +207,7 @@ def main(argv: list[str]) -> int:
     history = model.fit(
         train_ds,
         epochs=FLAGS.epochs,
-        steps_per_epoch=steps_per_epoch,
+        steps_per_epoch=FLAGS.steps or None,  # 0: one pass over the training windows
         validation_data=heldout_ds,
         shuffle=False,  # lm_datasets shuffles the training windows.
         callbacks=[

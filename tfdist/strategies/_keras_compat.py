@@ -316,7 +316,8 @@ class ExactReplicaMixin:
             if isinstance(leaf, tf_values.PerReplica)
             and all(isinstance(p, tf.Tensor) and p.shape.rank for p in leaf.values)
         ]
-        if not batched or len(batched[0].values) < 2:
+        # One replica in sync needs no weighting; a multi-worker replica may be alone on its worker.
+        if not batched or self._num_replicas_in_sync < 2:
             return None
         devices = self.worker_devices
         counts = []
@@ -512,3 +513,107 @@ def installed() -> bool:
         and keras_tf_trainer.TensorFlowTrainer._make_function is _make_function
         and keras_tf_trainer.reduce_per_replica is _reduce_per_replica
     )
+
+
+# --------------------------------------------------------------------------------------------
+# model-parallel (DTensor): tfdist.ModelParallelStrategy. Checked on TensorFlow 2.21 / Keras 3.15.
+#
+# Hook 6: the Keras path of the variable whose tf.Variable is being created. Keras creates it in
+# `Variable._initialize` with only the short name (`name="kernel"`); the strategy's variable
+# creator needs the full path ("block_0/mlp_in/kernel") to pick a layout. For a subclassed model
+# built later (deferred initialization) Keras' name scope is gone by then, but the Keras variable
+# knows its path: the hook records it for the creator. It only records; other strategies ignore it.
+#
+# Hook 7: `train_on_batch` / `test_on_batch` / `predict_on_batch` hand host arrays to the traced
+# step, and a DTensor program refuses non-DTensor inputs. Under a strategy whose `extended` has
+# `_tfdist_shard_batch`, the hooks shard the batch first (class weights become sample weights on
+# the host first); other strategies keep Keras' behaviour.
+# --------------------------------------------------------------------------------------------
+_keras_tf_variable = keras.src.backend.tensorflow.core.Variable
+_original_variable_initialize = _keras_tf_variable._initialize
+_creating = threading.local()
+
+
+def _variable_initialize(self, value):
+    previous = getattr(_creating, "path", None)
+    _creating.path = self.path
+    try:
+        return _original_variable_initialize(self, value)
+    finally:
+        _creating.path = previous
+
+
+def creating_variable_path() -> str | None:
+    """The Keras path of the variable whose backing tf.Variable is being created, else None."""
+    return getattr(_creating, "path", None)
+
+
+_trainer = keras_tf_trainer.TensorFlowTrainer
+_original_train_on_batch = _trainer.train_on_batch
+_original_test_on_batch = _trainer.test_on_batch
+_original_predict_on_batch = _trainer.predict_on_batch
+
+
+def _batch_sharder(model):
+    return getattr(getattr(model.distribute_strategy, "extended", None), "_tfdist_shard_batch", None)
+
+
+def _train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
+    shard = _batch_sharder(self)
+    if shard is not None:
+        if class_weight is not None and sample_weight is None:
+            sample_weight = keras.src.trainers.data_adapters.data_adapter_utils.class_weight_to_sample_weights(
+                y, class_weight
+            )
+            class_weight = None
+        x, y, sample_weight = shard((x, y, sample_weight))
+    return _original_train_on_batch(self, x, y, sample_weight, class_weight, return_dict)
+
+
+def _test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
+    shard = _batch_sharder(self)
+    if shard is not None:
+        x, y, sample_weight = shard((x, y, sample_weight))
+    return _original_test_on_batch(self, x, y, sample_weight, return_dict)
+
+
+def _predict_on_batch(self, x):
+    shard = _batch_sharder(self)
+    return _original_predict_on_batch(self, x if shard is None else shard(x))
+
+
+_MODEL_PARALLEL_PATCHES = (
+    (_keras_tf_variable, "_initialize", _variable_initialize),
+    (_trainer, "train_on_batch", _train_on_batch),
+    (_trainer, "test_on_batch", _test_on_batch),
+    (_trainer, "predict_on_batch", _predict_on_batch),
+)
+_MODEL_PARALLEL_HOOKS = (
+    ("variable_path", _original_variable_initialize, ("tf.Variable(", "name=self.name")),
+    (
+        "variable_deferred_init",
+        keras.src.backend.common.variables.Variable.__init__,
+        ('self._path = f"{parent_path}/{name}"', "register_uninitialized_variable(self)"),
+    ),
+    ("slot_colocation", keras_tf_optimizer.TFOptimizer.add_variable_from_reference, ("colocate_vars_with(",)),
+    ("train_on_batch", _original_train_on_batch, ("def data():", "self.train_function(data())")),
+    ("test_on_batch", _original_test_on_batch, ("def data():", "self.test_function(data())")),
+    ("predict_on_batch", _original_predict_on_batch, ("self.predict_function([(x,)])",)),
+)
+_HOOKS = _HOOKS + _MODEL_PARALLEL_HOOKS
+
+
+def install_model_parallel() -> None:
+    """Installs the hooks ModelParallelStrategy needs, after the common ones (idempotent)."""
+    install()
+    with _install_lock:
+        if not model_parallel_installed():
+            for name, target, needles in _MODEL_PARALLEL_HOOKS:
+                _require(name, target, *needles)
+            for owner, attribute, hook in _MODEL_PARALLEL_PATCHES:
+                setattr(owner, attribute, hook)
+
+
+def model_parallel_installed() -> bool:
+    """True once `install_model_parallel()` has patched Keras."""
+    return all(getattr(owner, attribute) is hook for owner, attribute, hook in _MODEL_PARALLEL_PATCHES)

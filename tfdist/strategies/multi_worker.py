@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
+
 import tensorflow as tf
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.python.distribute import collective_all_reduce_strategy as collective_lib
@@ -16,6 +21,7 @@ COMMUNICATION_CHOICES = ("auto", "ring", "nccl")
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 DEFAULT_JOIN_TIMEOUT = 300.0
+_JOIN_GRACE = 10.0
 
 
 def _positive(name: str, value, *, allow_none: bool = False) -> float | None:
@@ -59,6 +65,56 @@ def _configure_coordination(cluster_resolver, heartbeat_timeout: float, join_tim
     )
 
 
+_WATCHDOG = """
+import os, select, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+pid, seconds, message = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if not select.select([sys.stdin], [], [], seconds)[0]:
+    sys.stderr.write(message)
+    sys.stderr.flush()
+    os.kill(pid, signal.SIGKILL)
+"""
+
+
+@contextlib.contextmanager
+def _bounded_join(cluster: cluster_lib.Cluster | None, join_timeout: float):
+    """Bounds TensorFlow's start-up rendezvous.
+
+    A non-leader worker fails with DeadlineExceeded once `join_timeout` passes;
+    this turns that into a clear error. The leader (worker 0) blocks inside
+    TensorFlow's C++ runtime, holding the GIL, with no deadline while peers are
+    missing: a watchdog process reports the problem and kills it.
+    """
+    if cluster is None:
+        yield
+        return
+    what = (
+        f"worker {cluster.rank} ({cluster.address}) of a {cluster.num_workers}-worker cluster "
+        f"{list(cluster.addresses)}"
+    )
+    deadline = join_timeout + _JOIN_GRACE
+    message = (
+        f"tfdist.MultiWorkerStrategy: {what}: not every worker joined within {deadline:g}s "
+        f"(join_timeout={join_timeout:g}s + {_JOIN_GRACE:g}s). Start all workers, check the addresses, "
+        "or raise join_timeout. Killing this process.\n"
+    )
+    watchdog = subprocess.Popen(
+        [sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid()), str(deadline), message],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        yield
+    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
+        raise RuntimeError(
+            f"tfdist.MultiWorkerStrategy: {what} could not join the cluster within "
+            f"join_timeout={join_timeout:g}s: {e.message.splitlines()[0]}. Start all workers, check the "
+            "addresses, or raise join_timeout."
+        ) from e
+    finally:
+        watchdog.stdin.close()
+        watchdog.wait()
+
+
 class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     """Synchronous data parallelism over processes that matches single-device training.
 
@@ -79,10 +135,14 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             with DeadlineExceeded (a stuck worker); None waits forever.
         heartbeat_timeout: seconds without a heartbeat after which a peer
             counts as dead and every worker fails.
-        join_timeout: seconds to wait at start-up for all workers to join.
+        join_timeout: seconds to wait at start-up for all workers to join;
+            defaults to what `tfdist-launch --join_timeout` set, else 300. A
+            worker then raises RuntimeError; worker 0, which TensorFlow blocks
+            in C++, is killed (SIGKILL) with a message on stderr 10 s later.
 
     Raises:
         ValueError: for an unknown `communication` or a non-positive timeout.
+        RuntimeError: when the peers do not join within `join_timeout`.
         tfdist.cluster.ClusterError: for an invalid cluster description.
 
     Example (each of two processes, e.g. under `tfdist-launch -n 2`):
@@ -102,7 +162,7 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         communication: str = "auto",
         timeout: float | None = DEFAULT_TIMEOUT,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
-        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+        join_timeout: float | None = None,
     ):
         if communication not in COMMUNICATION_CHOICES:
             raise ValueError(
@@ -111,6 +171,8 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             )
         timeout = _positive("timeout", timeout, allow_none=True)
         heartbeat_timeout = _positive("heartbeat_timeout", heartbeat_timeout)
+        if join_timeout is None:
+            join_timeout = cluster_lib.join_timeout() or DEFAULT_JOIN_TIMEOUT
         join_timeout = _positive("join_timeout", join_timeout)
         if cluster is None:
             cluster = cluster_lib.resolve()
@@ -133,10 +195,9 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             timeout_seconds=timeout,
             implementation=getattr(tf.distribute.experimental.CommunicationImplementation, communication.upper()),
         )
-        distribute_lib.Strategy.__init__(
-            self,
-            _MultiWorkerExtended(self, cluster_resolver=resolver, communication_options=options),
-        )
+        with _bounded_join(cluster, join_timeout):
+            extended = _MultiWorkerExtended(self, cluster_resolver=resolver, communication_options=options)
+        distribute_lib.Strategy.__init__(self, extended)
 
     @property
     def cluster(self) -> cluster_lib.Cluster | None:

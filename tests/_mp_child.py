@@ -1,0 +1,299 @@
+"""One ModelParallelStrategy scenario in a fresh process (run as a script, not collected by pytest).
+
+Usage: python tests/_mp_child.py SCENARIO OUT_DIR
+
+A DTensor runtime error poisons the process it happens in, so every scenario runs in a process
+of its own with 8 simulated CPUs. Each scenario trains the same model once unsharded (no
+strategy) and once under ModelParallelStrategy, and writes the numbers to OUT_DIR/result.json
+for tests/test_model_parallel.py to check.
+"""
+
+import json
+import os
+import sys
+
+SCENARIO, OUT = sys.argv[1], sys.argv[2]
+
+if SCENARIO == "hybrid":
+    # TensorFlow imported BEFORE tfdist, without DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION:
+    # the strategy must still make DTensor skip its all-reduce combining pass (Adam check below).
+    os.environ.pop("DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION", None)
+    import tensorflow  # noqa: F401
+
+import tfdist  # noqa: E402
+
+tfdist.simulate_devices(8)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from tensorflow.experimental import dtensor  # noqa: E402
+
+from tfdist import layouts  # noqa: E402
+from tfdist.strategies import model_parallel  # noqa: E402
+from tfdist.strategies.model_parallel import ModelParallelStrategy  # noqa: E402
+
+VOCAB, SEQ, D_MODEL, HEADS, MLP = 64, 8, 32, 8, 64
+RESULT = {}
+
+
+def adam():
+    return keras.optimizers.Adam(learning_rate=1e-2)
+
+
+def lm_loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def transformer_block(optimizer=adam):
+    """Embedding + MultiHeadAttention + LayerNorm + FFN + LM head (functional)."""
+    keras.utils.set_random_seed(11)
+    tokens = keras.Input((SEQ,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, D_MODEL, name="token_embedding")(tokens)
+    h = keras.layers.LayerNormalization(name="attention_norm")(x)
+    x = x + keras.layers.MultiHeadAttention(HEADS, D_MODEL // HEADS, name="attention")(h, h)
+    h = keras.layers.LayerNormalization(name="mlp_norm")(x)
+    h = keras.layers.Dense(MLP, activation="gelu", name="mlp_in")(h)
+    x = x + keras.layers.Dense(D_MODEL, name="mlp_out")(h)
+    logits = keras.layers.Dense(VOCAB, name="logits")(x)
+    model = keras.Model(tokens, logits, name="block")
+    model.compile(optimizer=optimizer(), loss=lm_loss(), metrics=["accuracy"])
+    return model
+
+
+class SubclassedBlock(keras.Model):
+    """The same block as a subclassed model: its variables are created when it is first called."""
+
+    def __init__(self):
+        super().__init__(name="sub")
+        self.embed = keras.layers.Embedding(VOCAB, D_MODEL, name="token_embedding")
+        self.attention = keras.layers.MultiHeadAttention(HEADS, D_MODEL // HEADS, name="attention")
+        self.norm = keras.layers.LayerNormalization(name="mlp_norm")
+        self.mlp_in = keras.layers.Dense(MLP, activation="gelu", name="mlp_in")
+        self.mlp_out = keras.layers.Dense(D_MODEL, name="mlp_out")
+        self.head = keras.layers.Dense(VOCAB, name="logits")
+
+    def call(self, tokens):
+        x = self.embed(tokens)
+        x = x + self.attention(x, x)
+        x = x + self.mlp_out(self.mlp_in(self.norm(x)))
+        return self.head(x)
+
+
+def subclassed_block():
+    keras.utils.set_random_seed(12)
+    model = SubclassedBlock()
+    model.compile(optimizer=adam(), loss=lm_loss())
+    return model
+
+
+def tokens(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, VOCAB, (n, SEQ)).astype("int32"), rng.integers(0, VOCAB, (n, SEQ)).astype("int32")
+
+
+def max_diff(a, b):
+    return float(max(np.max(np.abs(np.asarray(x) - np.asarray(y))) for x, y in zip(a, b)))
+
+
+def rel_diff(a, b):
+    a, b = np.asarray(a, dtype="float64"), np.asarray(b, dtype="float64")
+    return float(np.max(np.abs(a - b) / np.abs(b)))
+
+
+def compare(name, ref, ref_hist, model, hist, keys=("loss",)):
+    for key in keys:
+        RESULT[f"{name}_{key}_rel"] = rel_diff(hist[key], ref_hist[key])
+    RESULT[f"{name}_weights_diff"] = max_diff(model.get_weights(), ref.get_weights())
+
+
+def specs(strategy, model):
+    report = strategy.placement_report(model, print_fn=None)
+    return {v.path: [v.spec, v.bytes_total, v.bytes_per_device] for v in report.variables}, report
+
+
+def two_steps(model, x, y):
+    """The losses of two train_on_batch steps on the first 16 examples (plain numpy input)."""
+    return [float(model.train_on_batch(x[:16], y[:16], return_dict=True)["loss"]) for _ in range(2)]
+
+
+def optimizer_state(model):
+    return [np.asarray(v) for v in model.optimizer.variables]
+
+
+def scenario_hybrid():
+    """2x4 mesh, transformer preset, numpy input + validation_data, Adam; then saves checkpoints."""
+    RESULT["env_after_construction"] = None
+    x, y = tokens(64)
+    vx, vy = tokens(16, seed=1)
+    fit = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0, "validation_data": (vx, vy)}
+    ref = transformer_block()
+    ref_hist = ref.fit(x, y, **fit).history
+    strategy = ModelParallelStrategy(mesh={"batch": 2, "model": 4}, rules=layouts.transformer())
+    RESULT["env_after_construction"] = os.environ.get(model_parallel.COMBINE_ALL_REDUCES_ENV)
+    with strategy.scope():
+        model = transformer_block()
+    hist = model.fit(x, y, **fit).history
+    compare("fit", ref, ref_hist, model, hist, keys=("loss", "val_loss", "accuracy"))
+    RESULT["evaluate_diff"] = max_diff(model.evaluate(vx, vy, verbose=0), ref.evaluate(vx, vy, verbose=0))
+    RESULT["predict_diff"] = max_diff([model.predict(vx, verbose=0)], [ref.predict(vx, verbose=0)])
+
+    placements, report = specs(strategy, model)
+    RESULT["placements"] = placements
+    RESULT["table"] = report.table()
+    RESULT["bytes_per_device"] = list(report.bytes_per_device.values())
+    RESULT["bytes_total"] = report.bytes_total
+    RESULT["unmatched"] = [str(rule) for rule, _ in report.unmatched_rules]
+    # The real shards on the devices, not the report's arithmetic.
+    kernel = next(w for w in model.weights if w.path == "mlp_in/kernel")
+    RESULT["mlp_in_shard_shapes"] = [list(c.shape) for c in dtensor.unpack(kernel.value.read_value())]
+    slots = {v.path: str(v.value.layout.sharding_specs) for v in model.optimizer.variables}
+    RESULT["slot_layouts"] = slots
+
+    # get_weights / set_weights round trip: the sharded model takes the unsharded one's weights.
+    model.set_weights(ref.get_weights())
+    RESULT["set_weights_diff"] = max_diff(model.get_weights(), ref.get_weights())
+    RESULT["set_weights_evaluate_diff"] = max_diff(model.evaluate(vx, vy, verbose=0), ref.evaluate(vx, vy, verbose=0))
+
+    # Checkpoints for the "reshard" scenario, then the next two steps' losses on this mesh.
+    model.save(os.path.join(OUT, "model.keras"))
+    model.save_weights(os.path.join(OUT, "model.weights.h5"))
+    tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(os.path.join(OUT, "ckpt"))
+    np.savez(
+        os.path.join(OUT, "saved.npz"),
+        *[np.asarray(w) for w in model.get_weights()],
+        *optimizer_state(model),
+    )
+    RESULT["num_weights"] = len(model.get_weights())
+    RESULT["next_losses"] = two_steps(model, x, y)
+    RESULT["ref_next_losses"] = two_steps(ref, x, y)
+    RESULT["test_on_batch"] = float(model.test_on_batch(vx[:8], vy[:8], return_dict=True)["loss"])
+    RESULT["ref_test_on_batch"] = float(ref.test_on_batch(vx[:8], vy[:8], return_dict=True)["loss"])
+    RESULT["predict_on_batch_diff"] = max_diff([model.predict_on_batch(vx[:8])], [ref.predict_on_batch(vx[:8])])
+
+
+def scenario_reshard():
+    """Restores the hybrid scenario's checkpoints onto 4x2, 1x8 and one device."""
+    src = sys.argv[3]
+    saved = np.load(os.path.join(src, "saved.npz"))
+    saved = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    x, y = tokens(64)
+    targets = {
+        "4x2": {"batch": 4, "model": 2},
+        "1x8": {"batch": 1, "model": 8},
+        "one_device": None,
+    }
+    for target, mesh in targets.items():
+        for fmt in ("keras", "weights_h5", "checkpoint"):
+            if mesh is None:
+                scope = tf.distribute.get_strategy().scope()
+            else:
+                strategy = ModelParallelStrategy(mesh=mesh, rules=layouts.transformer())
+                scope = strategy.scope()
+            with scope:
+                if fmt == "keras":
+                    model = keras.saving.load_model(os.path.join(src, "model.keras"))
+                else:
+                    model = transformer_block()
+                    model.optimizer.build(model.trainable_variables)
+                    if fmt == "weights_h5":
+                        model.load_weights(os.path.join(src, "model.weights.h5"))
+                    else:
+                        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+                        checkpoint.read(os.path.join(src, "ckpt")).assert_consumed()
+            key = f"{target}_{fmt}"
+            state = [np.asarray(w) for w in model.get_weights()] + optimizer_state(model)
+            RESULT[f"{key}_state_diff"] = max_diff(state, saved)
+            RESULT[f"{key}_state_count"] = [len(state), len(saved)]
+            RESULT[f"{key}_next_losses"] = two_steps(model, x, y)
+            if mesh is not None:
+                kernel = next(w for w in model.weights if w.path.endswith("mlp_in/kernel"))
+                RESULT[f"{key}_mlp_in_layout"] = list(kernel.value.layout.sharding_specs)
+                RESULT[f"{key}_mesh_shape"] = list(kernel.value.layout.mesh.shape())
+
+
+def scenario_subclassed():
+    """Subclassed model on a 1-D model mesh, tf.data input and validation data."""
+    x, y = tokens(48)
+    vx, vy = tokens(16, seed=1)
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    val = tf.data.Dataset.from_tensor_slices((vx, vy)).batch(8)
+    fit = {"epochs": 2, "verbose": 0, "validation_data": val}
+    ref = subclassed_block()
+    ref_hist = ref.fit(train, **fit).history
+    strategy = ModelParallelStrategy(mesh={"model": 8}, rules=layouts.transformer())
+    RESULT["batch_axis"] = strategy.batch_axis
+    with strategy.scope():
+        model = subclassed_block()
+    hist = model.fit(train, **fit).history
+    compare("fit", ref, ref_hist, model, hist, keys=("loss", "val_loss"))
+    placements, report = specs(strategy, model)
+    RESULT["placements"] = placements
+    RESULT["unmatched"] = [str(rule) for rule, _ in report.unmatched_rules]
+
+
+def scenario_data_and_conv():
+    """A batch-only mesh (pure data parallelism) and the conv preset on a Sequential CNN."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(32, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, 4, size=(32,)).astype("int32")
+
+    def cnn():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential(
+            [
+                keras.Input((8, 8, 3)),
+                keras.layers.Conv2D(8, 3, activation="relu"),
+                keras.layers.Conv2D(16, 3, activation="relu"),
+                keras.layers.GlobalAveragePooling2D(),
+                keras.layers.Dense(4),
+            ]
+        )
+        model.compile(optimizer=adam(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    fit = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0}
+    for name, mesh, rules in (
+        ("batch_only", {"batch": 8}, layouts.data_parallel()),
+        ("conv", {"batch": 2, "model": 4}, layouts.conv()),
+    ):
+        ref = cnn()
+        ref_hist = ref.fit(x, y, **fit).history
+        strategy = ModelParallelStrategy(mesh=mesh, rules=rules)
+        with strategy.scope():
+            model = cnn()
+        hist = model.fit(x, y, **fit).history
+        compare(name, ref, ref_hist, model, hist)
+        RESULT[f"{name}_placements"], _ = specs(strategy, model)
+
+    # A batch the batch axis does not divide: a clear error, raised before DTensor runs anything.
+    try:
+        model.fit(x[:9], y[:9], batch_size=9, verbose=0)
+        RESULT["uneven_batch_error"] = None
+    except ValueError as e:
+        RESULT["uneven_batch_error"] = str(e)
+
+
+def scenario_unsafe_env():
+    """With DTensor's all-reduce combining pass on: the strategy refuses; forced, Adam goes wrong."""
+    try:
+        ModelParallelStrategy(mesh={"batch": 2, "model": 4}, rules=layouts.transformer())
+        RESULT["refused"] = None
+    except RuntimeError as e:
+        RESULT["refused"] = str(e)
+    model_parallel.ensure_safe_dtensor_env = lambda: None  # force it, to show what the guard prevents
+    x, y = tokens(64)
+    fit = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0}
+    ref = transformer_block()
+    ref_hist = ref.fit(x, y, **fit).history
+    strategy = ModelParallelStrategy(mesh={"batch": 2, "model": 4}, rules=layouts.transformer())
+    with strategy.scope():
+        model = transformer_block()
+    hist = model.fit(x, y, **fit).history
+    compare("unsafe", ref, ref_hist, model, hist)
+
+
+if __name__ == "__main__":
+    globals()[f"scenario_{SCENARIO}"]()
+    with open(os.path.join(OUT, "result.json"), "w") as f:
+        json.dump(RESULT, f, indent=1, default=str)

@@ -1,0 +1,146 @@
+"""tfdist.MultiWorkerStrategy with real worker processes on 127.0.0.1.
+
+Each test starts plain subprocesses with their own TF_CONFIG on free loopback ports, bounds them
+with a hard timeout, and kills them (by process group) in teardown. Weights are compared with a
+single-process Keras run on the same global batch.
+"""
+
+import re
+import time
+
+import _procs
+import numpy as np
+import pytest
+
+import tfdist
+from tfdist.strategies import _keras_compat
+
+ATOL = 1e-6
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = _procs.Procs(tmp_path)
+    yield p
+    p.kill_all()
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Single-process runs (no strategy), by dataset size."""
+    tmp = tmp_path_factory.mktemp("reference")
+    p = _procs.Procs(tmp)
+    sizes = (20, 23)
+    try:
+        for n in sizes:
+            p.start_worker(("127.0.0.1:1",), 0, tmp / f"ref{n}.npz", "reference", n=n)
+        codes = p.wait(timeout=180)
+        assert codes == [0, 0], [p.log(i)[-2000:] for i in range(len(sizes))]
+    finally:
+        p.kill_all()
+    return {n: dict(np.load(tmp / f"ref{n}.npz")) for n in sizes}
+
+
+def _weights(result):
+    return [result[k] for k in sorted(result) if k.startswith("arr_")]
+
+
+@pytest.mark.parametrize(
+    "num_workers, n",
+    [
+        (2, 23),  # 6,6,6,5 examples per step: the last step splits 3/2
+        (3, 20),  # 6,6,6,2: the last step splits 1/1/0 (one worker has no example)
+    ],
+)
+def test_fit_evaluate_predict_match_single_process(procs, references, tmp_path, num_workers, n):
+    addresses = _procs.workers(num_workers)
+    outs = [tmp_path / f"w{i}.npz" for i in range(num_workers)]
+    for i in range(num_workers):
+        procs.start_worker(addresses, i, outs[i], "multi", n=n, batch=6, epochs=2)
+    codes = procs.wait(timeout=240)
+    assert codes == [0] * num_workers, [procs.log(i)[-3000:] for i in range(num_workers)]
+    ref = references[n]
+    results = [dict(np.load(o)) for o in outs]
+    for r in results:
+        # Identical on every worker, bit for bit.
+        for a, b in zip(_weights(results[0]), _weights(r)):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(_weights(ref), _weights(r)):
+            np.testing.assert_allclose(b, a, rtol=0, atol=ATOL)
+        np.testing.assert_allclose(r["loss"], ref["loss"], rtol=1e-5)
+        np.testing.assert_allclose(r["eval_loss"], ref["eval_loss"], rtol=1e-5)
+        np.testing.assert_allclose(r["pred"], ref["pred"], rtol=0, atol=ATOL)
+    # The reference itself moved: the comparison is not trivially true.
+    assert max(np.abs(w).max() for w in _weights(ref)) > 0.1
+
+
+def _kill_time(log):
+    m = re.search(r"worker dies at ([0-9.]+)", log)
+    assert m, log[-2000:]
+    return float(m.group(1))
+
+
+def test_killed_worker_ends_the_others_within_60s(procs, tmp_path):
+    addresses = _procs.workers(3)
+    for i in range(3):
+        procs.start_worker(addresses, i, tmp_path / f"w{i}.npz", "die", die_rank=1, epochs=1000, heartbeat=5)
+    codes = procs.wait(timeout=150)
+    assert codes[1] == 17, procs.log(1)[-2000:]
+    died = _kill_time(procs.log(1))
+    for i in (0, 2):
+        assert codes[i] not in (None, 0), procs.log(i)[-2000:]
+        assert procs.ended[i] - died < 60, procs.ended[i] - died
+        assert re.search(r"UnavailableError|unhealthy|Socket closed", procs.log(i)), procs.log(i)[-2000:]
+
+
+def test_stuck_worker_ends_in_collective_timeout(procs, tmp_path):
+    addresses = _procs.workers(2)
+    for i in range(2):
+        procs.start_worker(addresses, i, tmp_path / f"w{i}.npz", "stuck", die_rank=1, epochs=1000, timeout=8)
+    start = time.time()
+    codes = procs.wait([0], timeout=120)
+    assert codes[0] not in (None, 0), procs.log(0)[-2000:]
+    assert "DeadlineExceededError" in procs.log(0), procs.log(0)[-3000:]
+    assert procs.ended[0] - start < 90
+    assert procs.procs[1].poll() is None  # the stuck one really was stuck; teardown kills it
+
+
+def test_absent_peers_are_bounded(procs, tmp_path):
+    # Worker 0 (TensorFlow's coordination leader) and worker 1 each wait for a peer that never comes.
+    leader = procs.start_worker(_procs.workers(2), 0, tmp_path / "a.npz", "multi", join=5)
+    follower = procs.start_worker(_procs.workers(2), 1, tmp_path / "b.npz", "multi", join=5)
+    start = time.time()
+    codes = procs.wait(timeout=90)
+    assert codes[leader] == -9, procs.log(leader)[-2000:]  # killed by the join watchdog
+    assert "not every worker joined within 15s" in procs.log(leader)
+    assert codes[follower] == 1, procs.log(follower)[-2000:]
+    assert "could not join the cluster within join_timeout=5s" in procs.log(follower)
+    assert max(procs.ended) - start < 60
+
+
+def test_multi_worker_hooks_are_registered_and_checked(monkeypatch):
+    names = {name for name, _, _ in _keras_compat._HOOKS}
+    assert {"multi_worker_reduce", "multi_worker_check", "symbolic_build"} <= names
+    _keras_compat.check_hooks()
+    hooks = tuple(
+        (name, target, needles + ("a line Keras never had",) if name == "multi_worker_reduce" else needles)
+        for name, target, needles in _keras_compat._HOOKS
+    )
+    monkeypatch.setattr(_keras_compat, "_HOOKS", hooks)
+    with pytest.raises(_keras_compat.CompatError, match="multi_worker_reduce"):
+        _keras_compat.check_hooks()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"communication": "nccl2"}, r"communication='nccl2'.*\('auto', 'ring', 'nccl'\)"),
+        ({"timeout": 0}, r"timeout=0"),
+        ({"heartbeat_timeout": -1}, r"heartbeat_timeout=-1"),
+        ({"join_timeout": "10"}, r"join_timeout='10'"),
+        ({"cluster": {"worker": ["a:1"]}}, r"Expected a tfdist.cluster.Cluster"),
+    ],
+)
+def test_invalid_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tfdist.MultiWorkerStrategy(**kwargs)

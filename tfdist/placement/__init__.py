@@ -1,0 +1,8 @@
+"""Placement: device meshes and the rules that map each variable to a layout on them."""
+
+from tfdist.placement.mesh import make_mesh
+from tfdist.placement.mesh import mesh_axes
+from tfdist.placement.rules import LayoutRules
+from tfdist.placement.rules import Rule
+
+__all__ = ["LayoutRules", "Rule", "make_mesh", "mesh_axes"]

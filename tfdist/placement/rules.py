@@ -1,0 +1,252 @@
+"""Layout rules: which dimensions of which variable are split over which mesh axis.
+
+A rule pairs a regular expression on a variable's Keras path (such as
+`"block_0/mlp_in/kernel"`) with a sharding spec: one entry per dimension of
+the variable, each a mesh axis name (split that dimension over the axis) or
+`None` (keep it whole). A spec may start with `...` to leave all leading
+dimensions whole, so `(..., "model")` splits the last dimension of a variable
+of any rank.
+
+Rules are ordered; a variable matched by no rule is replicated, and a variable
+matched by two rules is an error (so adding a rule never silently changes
+another's meaning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Iterable
+from collections.abc import Mapping
+from collections.abc import Sequence
+
+Spec = tuple  # of str | None, optionally starting with Ellipsis
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One layout rule: a regex searched in the variable path, and a sharding spec.
+
+    Args:
+        pattern: a regular expression, searched (`re.search`) in the path.
+        spec: per-dimension mesh axis names or None, optionally starting with
+            `...` (leading dimensions unsharded).
+        gather: store the variable (and its optimizer slots) split as `spec`
+            says, but gather it whole for each use in the forward pass (as
+            FSDP / ZeRO-3 do). For ops DTensor cannot run on a split operand,
+            such as a convolution's filter.
+    """
+
+    pattern: str
+    spec: Spec
+    gather: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.pattern, str) or not self.pattern:
+            raise ValueError(f"A layout rule's pattern must be a non-empty regex string; got {self.pattern!r}.")
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ValueError(f"Layout rule {self.pattern!r} is not a valid regular expression: {e}.") from e
+        spec = self.spec
+        if isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence):
+            raise ValueError(
+                f"Layout rule {self.pattern!r}: the spec must be a tuple with one mesh axis name or None "
+                f'per dimension, e.g. (None, "model"); got {spec!r}.'
+            )
+        spec = tuple(spec)
+        body = spec[1:] if spec and spec[0] is Ellipsis else spec
+        for entry in body:
+            if entry is not None and not isinstance(entry, str):
+                raise ValueError(
+                    f"Layout rule {self.pattern!r}: spec entries are mesh axis names or None "
+                    f"(`...` only first); got {entry!r} in {spec!r}."
+                )
+        axes = [a for a in body if a is not None]
+        repeated = sorted({a for a in axes if axes.count(a) > 1})
+        if repeated:
+            raise ValueError(
+                f"Layout rule {self.pattern!r}: mesh axis {repeated[0]!r} appears twice in spec {spec!r}; "
+                "a mesh axis can split at most one dimension of a variable."
+            )
+        object.__setattr__(self, "spec", spec)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The mesh axes this rule uses."""
+        return tuple(a for a in self.spec if isinstance(a, str))
+
+    def matches(self, path: str) -> bool:
+        return re.search(self.pattern, path) is not None
+
+    def expand(self, rank: int) -> tuple | None:
+        """The spec for a variable of `rank` dimensions, or None when the ranks disagree."""
+        if self.spec and self.spec[0] is Ellipsis:
+            body = self.spec[1:]
+            return (None,) * (rank - len(body)) + body if len(body) <= rank else None
+        return self.spec if len(self.spec) == rank else None
+
+    def __str__(self):
+        shown = ", ".join("..." if a is Ellipsis else repr(a) for a in self.spec)
+        return f"{self.pattern!r} -> ({shown})" + (" gathered for use" if self.gather else "")
+
+
+class LayoutRules:
+    """An ordered list of layout rules (regex on the variable path -> sharding spec).
+
+    Args:
+        rules: `(pattern, spec)` pairs, `Rule`s, another `LayoutRules`, or a
+            dict `{pattern: spec}`.
+
+    Raises:
+        ValueError: for an invalid regex or spec, or a pattern given twice.
+
+    Example:
+
+    >>> from tfdist.layouts import LayoutRules
+    >>> rules = LayoutRules([(r"mlp_in/kernel$", (None, "model")), (r"mlp_in/bias$", ("model",))])
+    >>> rules.spec_for("block/mlp_in/kernel", (16, 64), {"batch": 2, "model": 4})
+    (None, 'model')
+    >>> rules.spec_for("block/norm/gamma", (16,), {"batch": 2, "model": 4})
+    (None,)
+    >>> (rules + LayoutRules([(r"logits/kernel$", (None, "model"))])).patterns[-1]
+    'logits/kernel$'
+    """
+
+    def __init__(self, rules: Iterable | Mapping = ()):
+        if isinstance(rules, LayoutRules):
+            items = list(rules.rules)
+        elif isinstance(rules, Mapping):
+            items = list(rules.items())
+        elif isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
+            raise ValueError(
+                f"Invalid layout rules {rules!r}. Expected a list of (regex, spec) pairs, "
+                'e.g. [(r"mlp_in/kernel$", (None, "model"))].'
+            )
+        else:
+            items = list(rules)
+        parsed = []
+        for item in items:
+            if isinstance(item, Rule):
+                parsed.append(item)
+            elif isinstance(item, Sequence) and not isinstance(item, str) and len(item) == 2:
+                parsed.append(Rule(item[0], item[1]))
+            else:
+                raise ValueError(f"Invalid layout rule {item!r}. Expected a (regex, spec) pair.")
+        patterns = [r.pattern for r in parsed]
+        repeated = sorted({p for p in patterns if patterns.count(p) > 1})
+        if repeated:
+            raise ValueError(f"Layout rule pattern {repeated[0]!r} is given twice; keep one.")
+        self.rules: tuple[Rule, ...] = tuple(parsed)
+
+    @property
+    def patterns(self) -> list[str]:
+        return [r.pattern for r in self.rules]
+
+    @property
+    def axes(self) -> set[str]:
+        """Every mesh axis named by some rule."""
+        return {a for r in self.rules for a in r.axes}
+
+    def __iter__(self):
+        return iter(self.rules)
+
+    def __len__(self):
+        return len(self.rules)
+
+    def __add__(self, other) -> LayoutRules:
+        return LayoutRules(list(self.rules) + list(LayoutRules(other).rules))
+
+    def __eq__(self, other):
+        return isinstance(other, LayoutRules) and self.rules == other.rules
+
+    def __repr__(self):
+        return "LayoutRules([" + ", ".join(f"({r.pattern!r}, {r.spec!r})" for r in self.rules) + "])"
+
+    def check_axes(self, mesh_axes: Mapping[str, int]) -> None:
+        """Raises ValueError naming the rule when a rule uses an axis that `mesh_axes` lacks."""
+        for rule in self.rules:
+            unknown = [a for a in rule.axes if a not in mesh_axes]
+            if unknown:
+                raise ValueError(
+                    f"Layout rule {rule} uses mesh axis {unknown[0]!r}, which the mesh {dict(mesh_axes)!r} "
+                    f"does not have. Valid axes: {list(mesh_axes)}."
+                )
+
+    def rule_for(self, path: str) -> Rule | None:
+        """The one rule matching `path`, or None.
+
+        Raises:
+            ValueError: if two or more rules match `path`, naming them.
+        """
+        found = [r for r in self.rules if r.matches(path)]
+        if len(found) > 1:
+            raise ValueError(
+                f"Variable {path!r} matches {len(found)} layout rules: "
+                + "; ".join(str(r) for r in found)
+                + ". Make the patterns exclusive (anchor them, e.g. with '/kernel$') so one rule decides."
+            )
+        return found[0] if found else None
+
+    def spec_for(self, path: str, shape: Sequence[int], mesh_axes: Mapping[str, int]) -> tuple:
+        """The sharding spec (one axis name or None per dimension) of a variable.
+
+        See `resolve`, which also returns the deciding rule.
+        """
+        return self.resolve(path, shape, mesh_axes)[0]
+
+    def resolve(self, path: str, shape: Sequence[int], mesh_axes: Mapping[str, int]) -> tuple[tuple, Rule | None]:
+        """The sharding spec of a variable and the rule that decided it (None: replicated, no rule).
+
+        Args:
+            path: the variable's Keras path, e.g. "block_0/mlp_in/kernel".
+            shape: its (global) shape.
+            mesh_axes: the mesh's axis name -> size.
+
+        Raises:
+            ValueError: when two rules match, or the matching rule's spec has
+                another rank, names an axis the mesh lacks, or splits a
+                dimension that its mesh axis does not divide.
+        """
+        shape = tuple(int(d) for d in shape)
+        rule = self.rule_for(path)
+        if rule is None:
+            return (None,) * len(shape), None
+        spec = rule.expand(len(shape))
+        if spec is None:
+            raise ValueError(
+                f"Layout rule {rule} has {len([a for a in rule.spec if a is not Ellipsis])} entries but "
+                f"variable {path!r} has shape {shape} (rank {len(shape)}). Give one entry per dimension, "
+                "start the spec with ... to skip leading dimensions, or narrow the pattern."
+            )
+        for dim, (axis, size) in enumerate(zip(spec, shape)):
+            if axis is None:
+                continue
+            if axis not in mesh_axes:
+                raise ValueError(
+                    f"Layout rule {rule} (matching {path!r}) uses mesh axis {axis!r}, which the mesh "
+                    f"{dict(mesh_axes)!r} does not have. Valid axes: {list(mesh_axes)}."
+                )
+            if size % mesh_axes[axis]:
+                raise ValueError(
+                    f"Variable {path!r} of shape {shape}: dimension {dim} (size {size}) is not divisible by "
+                    f"mesh axis {axis!r} (size {mesh_axes[axis]}), as layout rule {rule} asks. Choose a size "
+                    f"divisible by {mesh_axes[axis]}, another mesh, or a rule that keeps dimension {dim} whole."
+                )
+        return spec, rule
+
+    def unmatched(self, paths: Iterable[str]) -> list[tuple[Rule, list[str]]]:
+        """The rules matching none of `paths`, each with up to 3 similar paths (near misses)."""
+        paths = list(paths)
+        out = []
+        for rule in self.rules:
+            if any(rule.matches(p) for p in paths):
+                continue
+            literal = re.sub(r"[\\^$()\[\]|?*+{}.]", "", rule.pattern)
+            near = difflib.get_close_matches(literal, paths, n=3, cutoff=0.4)
+            if not near:
+                tail = literal.split("/")[-1]
+                near = [p for p in paths if tail and tail in p][:3]
+            out.append((rule, near))
+        return out
