@@ -10,6 +10,7 @@ for tests/test_model_parallel.py to check.
 
 import json
 import os
+import re
 import sys
 
 SCENARIO, OUT = sys.argv[1], sys.argv[2]
@@ -107,9 +108,14 @@ def compare(name, ref, ref_hist, model, hist, keys=("loss",)):
     RESULT[f"{name}_weights_diff"] = max_diff(model.get_weights(), ref.get_weights())
 
 
+def canonical(path):
+    """Optimizer paths without Keras' uniquifying suffix ("adam_1/..." -> "adam/...")."""
+    return re.sub(r"^adam(_\d+)?/", "adam/", path)
+
+
 def specs(strategy, model):
     report = strategy.placement_report(model, print_fn=None)
-    return {v.path: [v.spec, v.bytes_total, v.bytes_per_device] for v in report.variables}, report
+    return {canonical(v.path): [v.spec, v.bytes_total, v.bytes_per_device] for v in report.variables}, report
 
 
 def two_steps(model, x, y):
@@ -147,7 +153,7 @@ def scenario_hybrid():
     # The real shards on the devices, not the report's arithmetic.
     kernel = next(w for w in model.weights if w.path == "mlp_in/kernel")
     RESULT["mlp_in_shard_shapes"] = [list(c.shape) for c in dtensor.unpack(kernel.value.read_value())]
-    slots = {v.path: str(v.value.layout.sharding_specs) for v in model.optimizer.variables}
+    slots = {canonical(v.path): str(v.value.layout.sharding_specs) for v in model.optimizer.variables}
     RESULT["slot_layouts"] = slots
 
     # get_weights / set_weights round trip: the sharded model takes the unsharded one's weights.
@@ -230,6 +236,32 @@ def scenario_subclassed():
     placements, report = specs(strategy, model)
     RESULT["placements"] = placements
     RESULT["unmatched"] = [str(rule) for rule, _ in report.unmatched_rules]
+    RESULT["misplaced"] = [list(m) for m in report.misplaced]
+
+    # With Keras' name scope as the only source of paths (the hook's answer hidden), the rules
+    # would silently miss every variable of a model built later; the report says so.
+    with strategy.scope():
+        late = subclassed_block()
+    real = model_parallel._keras_compat.creating_variable_path
+    model_parallel._keras_compat.creating_variable_path = lambda: None
+    try:
+        late.predict(x[:16], verbose=0)
+    finally:
+        model_parallel._keras_compat.creating_variable_path = real
+    late_report = strategy.placement_report(late, print_fn=None)
+    RESULT["late_misplaced"] = [m[0] for m in late_report.misplaced]
+    RESULT["late_problems"] = late_report.problems()
+
+    # The project's reference LM (custom block layers built in build()): every preset rule applies.
+    from tfdist import models
+
+    with strategy.scope():
+        lm = models.transformer_lm(seq_len=SEQ, vocab_size=VOCAB, d_model=D_MODEL, num_heads=HEADS, num_layers=1)
+        lm.compile(optimizer=adam(), loss=lm_loss())
+    RESULT["lm_loss"] = float(lm.train_on_batch(x[:16], y[:16], return_dict=True)["loss"])
+    lm_placements, lm_report = specs(strategy, lm)
+    RESULT["lm_placements"] = {path: entry[0] for path, entry in lm_placements.items()}
+    RESULT["lm_problems"] = lm_report.problems()
 
 
 def scenario_data_and_conv():

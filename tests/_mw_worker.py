@@ -25,6 +25,7 @@ if MODE != "reference":
         timeout=float(OPTS.get("timeout", 60)),
         heartbeat_timeout=float(OPTS.get("heartbeat", 10)),
         join_timeout=float(OPTS.get("join", 60)),
+        gradient_dtype=OPTS.get("gdtype") or None,
     )
     rank = strategy.cluster.rank
 else:
@@ -56,7 +57,13 @@ keras.utils.set_random_seed(1)
 with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
-history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[Sabotage()])
+if OPTS.get("tfdata"):  # a user's in-memory tf.data pipeline, batched by the global batch
+    import tensorflow as tf
+
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    history = model.fit(train, epochs=EPOCHS, verbose=0, callbacks=[Sabotage()])
+else:
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[Sabotage()])
 ev = model.evaluate(x[:12], y[:12], batch_size=BATCH, verbose=0, return_dict=True)
 pred = model.predict(x[:12], batch_size=BATCH, verbose=0)
 np.savez(

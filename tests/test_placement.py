@@ -191,4 +191,3 @@ def test_strategy_refuses_dtensor_all_reduce_combining(monkeypatch):
 def test_constructor_is_keyword_only():
     with pytest.raises(TypeError):
         ModelParallelStrategy({"batch": 2, "model": 4})
-

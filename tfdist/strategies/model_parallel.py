@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -203,12 +204,16 @@ class PlacementReport:
         bytes_per_device: device name -> bytes of all variables it holds.
         unmatched_rules: `(rule, near misses)` for each rule that matched no
             variable of the model.
+        misplaced: `(path, spec the rules give, spec it has)` for each model
+            variable whose layout is not what the rules give its path (it was
+            created under another path, or under another strategy's rules).
     """
 
     mesh: dict
     variables: tuple
     bytes_per_device: dict
     unmatched_rules: tuple
+    misplaced: tuple = ()
 
     @property
     def bytes_total(self) -> int:
@@ -237,9 +242,19 @@ class PlacementReport:
             )
         else:
             lines.append(f"mesh {mesh}: bytes per device {self.bytes_per_device}")
-        for rule, near in self.unmatched_rules:
-            lines.append(f"rule {rule} matched no variable; similar paths: {near or 'none'}")
+        lines.extend(self.problems())
         return "\n".join(lines)
+
+    def problems(self) -> list[str]:
+        """One line per rule that matched nothing and per misplaced variable."""
+        lines = [
+            f"rule {rule} matched no variable; similar paths: {near or 'none'}" for rule, near in self.unmatched_rules
+        ]
+        lines += [
+            f"variable {path!r} has layout {actual} but the rules give its path {expected}"
+            for path, expected, actual in self.misplaced
+        ]
+        return lines
 
 
 class _ModelParallelExtended(one_device_strategy.OneDeviceExtended):
@@ -448,7 +463,9 @@ class ModelParallelStrategy(distribute_lib.Strategy):
 
         Returns:
             A `PlacementReport`: per variable path, shape, spec, bytes in all
-            and on each device; totals per device; rules that matched nothing.
+            and on each device; totals per device; rules that matched nothing
+            and variables whose layout differs from what their rule gives
+            (both also issued as a warning).
 
         Raises:
             ValueError: if a variable of `model` was not created under this
@@ -478,14 +495,23 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             gathered = isinstance(backing, GatheredVariable)
             rows.append(VariablePlacement(v.path, shape, backing.dtype.name, spec, total, total // split, gathered))
         per_device = sum(r.bytes_per_device for r in rows)
+        by_path = {r.path: r for r in rows}
+        misplaced = []
+        for w in model.weights:
+            expected = self.rules.spec_for(w.path, by_path[w.path].shape, axes)
+            if expected != by_path[w.path].spec:
+                misplaced.append((w.path, expected, by_path[w.path].spec))
         report = PlacementReport(
             mesh=dict(axes),
             variables=tuple(rows),
             bytes_per_device={d: per_device for d in self.mesh.local_devices()},
             unmatched_rules=tuple(self.rules.unmatched(w.path for w in model.weights)),
+            misplaced=tuple(misplaced),
         )
         if print_fn is not None:
             print_fn(report.table())
+        if report.problems():
+            warnings.warn("ModelParallelStrategy placement: " + "; ".join(report.problems()), stacklevel=2)
         return report
 
     def __repr__(self):

@@ -1,0 +1,139 @@
+"""Memory per device and step time of tfdist.ModelParallelStrategy on a transformer LM.
+
+Trains `tfdist.models.transformer_lm` with Adam under `ModelParallelStrategy` with the
+`tfdist.layouts.transformer()` rules, and unsharded on one device, in one process with
+simulated devices. Figures:
+
+* bytes per device / ideal, where ideal = (parameters + optimizer state) / model-axis size;
+  goal <= 1.05 (what stays replicated: LayerNorms, position embeddings, row-parallel biases);
+* the loss after the timed steps on both, as a check that they trained the same model;
+* step time on the mesh / step time on one device (median over rounds; simulated CPU devices
+  share the host's cores, so this measures overhead, not a speed-up).
+
+    python -m benchmarks.model_parallel --mesh batch=2,model=4 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    axes = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        axes[name.strip()] = int(size)
+    return axes
+
+
+def build(args):
+    import keras
+
+    from tfdist import models
+
+    keras.utils.set_random_seed(0)
+    model = models.transformer_lm(
+        seq_len=args.seq_len,
+        vocab_size=args.vocab_size,
+        d_model=args.d_model,
+        num_heads=args.num_heads,
+        num_layers=args.num_layers,
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def time_steps(model, x, y, batch, steps):
+    start = time.perf_counter()
+    history = model.fit(x[: batch * steps], y[: batch * steps], batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    return (time.perf_counter() - start) / steps, history.history["loss"][-1]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mesh", default="batch=2,model=4")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--global_batch_size", type=int, default=16)
+    parser.add_argument("--seq_len", type=int, default=64)
+    parser.add_argument("--vocab_size", type=int, default=512)
+    parser.add_argument("--d_model", type=int, default=256)
+    parser.add_argument("--num_heads", type=int, default=8)
+    parser.add_argument("--num_layers", type=int, default=2)
+    parser.add_argument("--write", action="store_true", help="write the section of benchmarks/RESULTS.md")
+    args = parser.parse_args(argv)
+    mesh = parse_mesh(args.mesh)
+
+    import tfdist
+
+    tfdist.simulate_devices(math.prod(mesh.values()))
+    import numpy as np
+
+    from tfdist import layouts
+    from tfdist.strategies.model_parallel import ModelParallelStrategy
+
+    rng = np.random.default_rng(0)
+    n = args.global_batch_size * args.steps
+    x = rng.integers(0, args.vocab_size, (n, args.seq_len)).astype("int32")
+    y = rng.integers(0, args.vocab_size, (n, args.seq_len)).astype("int32")
+
+    single = build(args)
+    strategy = ModelParallelStrategy(mesh=mesh, rules=layouts.transformer())
+    with strategy.scope():
+        sharded = build(args)
+    for model in (single, sharded):  # trace and build the optimizer
+        model.fit(
+            x[: args.global_batch_size], y[: args.global_batch_size], batch_size=args.global_batch_size, verbose=0
+        )
+
+    report = strategy.placement_report(sharded, print_fn=None)
+    per_device = next(iter(report.bytes_per_device.values()))
+    model_axis = mesh.get("model", 1)
+    ideal = report.bytes_total / model_axis
+    ratios, losses = [], {}
+    for r in range(args.rounds):
+        times = {}
+        for name in ("single", "mesh") if r % 2 == 0 else ("mesh", "single"):
+            model = single if name == "single" else sharded
+            times[name], losses[name] = time_steps(model, x, y, args.global_batch_size, args.steps)
+        ratios.append(times["mesh"] / times["single"])
+        print(f"round {r}: one device {times['single'] * 1e3:.1f} ms/step, mesh {times['mesh'] * 1e3:.1f} ms/step")
+
+    body = "\n".join(
+        [
+            f"transformer_lm(seq_len={args.seq_len}, vocab_size={args.vocab_size}, d_model={args.d_model}, "
+            f"num_heads={args.num_heads}, num_layers={args.num_layers}), Adam, global batch "
+            f"{args.global_batch_size}, mesh {mesh}, rules tfdist.layouts.transformer().",
+            "",
+            "| figure | value |",
+            "|---|---|",
+            f"| parameters + optimizer state, one device | {report.bytes_total / 2**20:.2f} MiB |",
+            f"| on each mesh device | {per_device / 2**20:.2f} MiB |",
+            f"| bytes per device / ideal (total / {model_axis}) | {per_device / ideal:.3f} (goal <= 1.05) |",
+            f"| step time mesh / one device (median of {args.rounds} rounds) | {statistics.median(ratios):.2f} |",
+            f"| last loss, one device vs mesh (same steps) | {losses['single']:.5f} vs {losses['mesh']:.5f} |",
+            "",
+            "Simulated CPU devices share the host's cores: the step-time ratio is DTensor's overhead "
+            "(collectives, SPMD expansion), not a speed-up; measure on accelerators for that.",
+        ]
+    )
+    print(body)
+    if args.write:
+        from benchmarks import _results
+
+        _results.write_section("model_parallel", "python -m benchmarks.model_parallel --write", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""tfdist-launch: real worker processes on 127.0.0.1, exit codes, prefixes, signals, join timeout."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import _procs
+import numpy as np
+import pytest
+
+from tfdist import launch
+
+LAUNCH = [sys.executable, "-m", "tfdist.launch"]
+
+# A worker that reports its TF_CONFIG, then behaves as its argv says.
+WORKER = r"""
+import json, os, signal, sys, time
+task = json.loads(os.environ["TF_CONFIG"])
+i = task["task"]["index"]
+print("pid", os.getpid(), "index", i, "workers", ",".join(task["cluster"]["worker"]),
+      "join", os.environ["TFDIST_JOIN_TIMEOUT"], flush=True)
+sys.stderr.write("to stderr\n")
+mode = sys.argv[1]
+if mode == "fail" and i == 1:
+    time.sleep(1)
+    sys.exit(5)
+if mode == "trap":
+    signal.signal(signal.SIGTERM, lambda s, f: (print("got signal", s, flush=True), sys.exit(0)))
+    signal.signal(signal.SIGINT, lambda s, f: (print("got signal", s, flush=True), sys.exit(0)))
+if mode == "ignore":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if mode != "ok":
+    time.sleep(300)
+"""
+
+
+def launch_cmd(*args, mode="ok"):
+    return [*LAUNCH, *args, "--", sys.executable, "-c", WORKER, mode]
+
+
+def run(cmd, timeout=120):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_procs.clean_env(), cwd=_procs.REPO)
+
+
+def worker_lines(output, i):
+    return [line[len(f"[worker {i}] ") :] for line in output.splitlines() if line.startswith(f"[worker {i}] ")]
+
+
+def pids(output, n):
+    return [int(re.search(r"pid (\d+)", worker_lines(output, i)[0]).group(1)) for i in range(n)]
+
+
+def assert_gone(pid_list):
+    for pid in pid_list:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_workers_get_their_tf_config_and_prefixed_output():
+    result = run(launch_cmd("-n", "3", "--join_timeout", "30"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    addresses = None
+    for i in range(3):
+        lines = worker_lines(result.stdout, i)
+        assert f"index {i} " in lines[0] and "join 30.0" in lines[0], lines
+        assert "to stderr" in lines
+        workers = lines[0].split("workers ")[1].split()[0].split(",")
+        addresses = addresses or workers
+        assert workers == addresses
+    assert len(set(addresses)) == 3 and all(a.startswith("127.0.0.1:") for a in addresses)
+    assert "[tfdist-launch] all workers finished" in result.stdout
+
+
+def test_a_failed_worker_stops_the_others_and_sets_the_exit_status():
+    start = time.monotonic()
+    result = run(launch_cmd("-n", "3", "--grace", "5", mode="fail"))
+    assert result.returncode == 5, result.stdout + result.stderr
+    assert time.monotonic() - start < 60
+    assert "worker 1 failed with exit status 5; stopping workers [0, 2]" in result.stdout
+    assert_gone(pids(result.stdout, 3))
+
+
+def _start_and_signal(mode, sig, grace="30"):
+    proc = subprocess.Popen(
+        launch_cmd("-n", "2", "--grace", grace, mode=mode),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_procs.clean_env(),
+        start_new_session=True,
+    )
+    try:
+        lines = []
+        while sum(line.startswith("[worker ") and " pid " in line for line in lines) < 2:
+            line = proc.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        start = time.monotonic()
+        proc.send_signal(sig)
+        rest, _ = proc.communicate(timeout=60)
+        return proc.returncode, "".join(lines) + rest, time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signals_are_forwarded_to_every_worker(sig):
+    code, output, _ = _start_and_signal("trap", sig)
+    assert code == 128 + sig, output
+    for i in range(2):
+        assert f"got signal {int(sig)}" in worker_lines(output, i), output
+    assert_gone(pids(output, 2))
+
+
+def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period():
+    code, output, seconds = _start_and_signal("ignore", signal.SIGTERM, grace="2")
+    assert code == 128 + signal.SIGTERM, output
+    assert "still running 2s after signal 15; killing them" in output
+    assert 2 <= seconds < 30
+    assert_gone(pids(output, 2))
+
+
+def test_workers_that_never_join_are_bounded():
+    start = time.monotonic()
+    result = run(launch_cmd("-n", "2", "--join_timeout", "3", "--grace", "2", mode="sleep"))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert time.monotonic() - start < 30
+    assert re.search(
+        r"worker 0 \(127\.0\.0\.1:\d+\), worker 1 \(127\.0\.0\.1:\d+\) did not start its TensorFlow server "
+        r"within --join_timeout=3s; stopping all workers",
+        result.stdout,
+    ), result.stdout
+    assert_gone(pids(result.stdout, 2))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-n", "2"], "no command given"),
+        (["-n", "0", "--", "true"], "-n/--num_workers must be >= 1; received 0"),
+        (["-n", "2", "--join_timeout", "0", "--", "true"], "must be positive"),
+        (["--", "true"], "the following arguments are required: -n"),
+    ],
+)
+def test_bad_arguments(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        launch.main(args)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_command():
+    assert launch.main(["-n", "1", "--", "/nonexistent/tfdist-no-such-binary"]) == 127
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"command": "python x.py", "num_workers": 1}, r"command='python x.py'"),
+        ({"command": ["true"], "num_workers": 0}, r"num_workers=0"),
+        ({"command": ["true"], "num_workers": 1, "grace": -1}, r"grace=-1"),
+    ],
+)
+def test_launcher_validates_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        launch.Launcher(**kwargs)
+
+
+def test_free_ports_are_distinct_loopback_ports():
+    ports = launch.free_ports(8)
+    assert len(set(ports)) == 8 and all(0 < p < 65536 for p in ports)
+
+
+def test_tutorial_example_under_the_launcher_matches_one_process(tmp_path):
+    """examples/multi_worker_cnn.py (CNN, SGD, tf.data global batch, BackupAndRestore) on 2 workers."""
+    script = os.path.join(_procs.REPO, "examples", "multi_worker_cnn.py")
+    example = [sys.executable, "-W", "ignore::UserWarning", script]
+    single = run([*example, f"--out={tmp_path / 'one'}"], timeout=180)
+    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
+    result = run([*LAUNCH, "-n", "2", "--join_timeout", "60", "--", *example, f"--out={tmp_path / 'two'}"], timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[worker 0] worker 0 done" in result.stdout and "[worker 1] worker 1 done" in result.stdout
+    reference = np.load(tmp_path / "one" / "weights-0.npz")
+    w0, w1 = (np.load(tmp_path / "two" / f"weights-{i}.npz") for i in range(2))
+    for k in reference.files:
+        np.testing.assert_array_equal(w0[k], w1[k])
+        np.testing.assert_allclose(w0[k], reference[k], rtol=0, atol=1e-6)

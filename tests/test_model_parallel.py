@@ -1,0 +1,195 @@
+"""ModelParallelStrategy: Keras 3 models split over a DTensor mesh train as on one device.
+
+Each scenario runs in a process of its own (tests/_mp_child.py; a DTensor runtime error poisons
+its process) on 8 simulated CPUs, trains the same model unsharded and sharded from the same seed
+on the same batches, and reports numbers checked here. Tolerances: losses rtol 1e-4, weights after
+Adam atol 1e-4 (float32 sums over shards associate differently than on one device).
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHILD = os.path.join(REPO, "tests", "_mp_child.py")
+LOSS_RTOL = 1e-4
+ADAM_ATOL = 1e-4
+TIMEOUT_S = 240
+
+
+def run_scenario(name, out_dir, *extra, env=None):
+    full_env = {k: v for k, v in os.environ.items() if k != "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"}
+    full_env.update(PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
+    proc = subprocess.run(
+        [sys.executable, CHILD, name, str(out_dir), *map(str, extra)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=full_env,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, f"scenario {name!r} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    with open(os.path.join(out_dir, "result.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hybrid")
+    return out, run_scenario("hybrid", out)
+
+
+def test_transformer_block_on_2x4_mesh_matches_one_device(hybrid):
+    _, r = hybrid
+    # Adam, 2 epochs of 4 steps, numpy input with validation_data.
+    assert r["fit_loss_rel"] < LOSS_RTOL
+    assert r["fit_val_loss_rel"] < LOSS_RTOL
+    assert r["fit_accuracy_rel"] < LOSS_RTOL
+    assert r["fit_weights_diff"] < ADAM_ATOL
+    assert r["evaluate_diff"] < 1e-5
+    assert r["predict_diff"] < 1e-4
+
+
+def test_tensorflow_imported_first_still_gets_the_safe_dtensor_setting(hybrid):
+    # The child imported TensorFlow before tfdist with the variable unset; the Adam numbers above
+    # prove the setting took effect (the unsafe_env scenario shows what they look like otherwise).
+    assert hybrid[1]["env_after_construction"] == "0"
+
+
+def test_attention_and_ffn_kernels_hold_exactly_a_quarter_per_device(hybrid):
+    placements = hybrid[1]["placements"]
+    quarter = {
+        "token_embedding/embeddings": ["model", None],
+        "attention/query/kernel": [None, "model", None],
+        "attention/key/kernel": [None, "model", None],
+        "attention/value/kernel": [None, "model", None],
+        "attention/attention_output/kernel": ["model", None, None],
+        "mlp_in/kernel": [None, "model"],
+        "mlp_out/kernel": ["model", None],
+        "logits/kernel": [None, "model"],
+    }
+    for path, spec in quarter.items():
+        got_spec, total, per_device = placements[path]
+        assert got_spec == spec, path
+        assert per_device * 4 == total, path
+    for path in ("attention_norm/gamma", "mlp_out/bias", "attention/attention_output/bias"):
+        spec, total, per_device = placements[path]
+        assert set(spec) == {None} and per_device == total, path
+    # The real shards: mlp_in/kernel (32, 64) split on its output dimension over 4 devices.
+    assert hybrid[1]["mlp_in_shard_shapes"] == [[32, 16]] * 8
+
+
+def test_optimizer_slots_follow_their_variable_and_scalars_are_replicated(hybrid):
+    r = hybrid[1]
+    slots = r["slot_layouts"]
+    placements = r["placements"]
+    assert slots["adam/iteration"] == "[]" and slots["adam/learning_rate"] == "[]"
+    for moment in ("momentum", "velocity"):
+        assert slots[f"adam/mlp_in_kernel_{moment}"] == "['unsharded', 'model']"
+        assert slots[f"adam/attention_query_kernel_{moment}"] == "['unsharded', 'model', 'unsharded']"
+        assert slots[f"adam/mlp_norm_gamma_{moment}"] == "['unsharded']"
+        assert placements[f"adam/mlp_out_kernel_{moment}"][0] == ["model", None]
+
+
+def test_placement_report_totals_and_table(hybrid):
+    r = hybrid[1]
+    per_device = sum(entry[2] for entry in r["placements"].values())
+    assert r["bytes_per_device"] == [per_device] * 8
+    assert r["bytes_total"] == sum(entry[1] for entry in r["placements"].values())
+    # Sharded parameters and Adam state: each device holds well under the replicated total.
+    assert per_device < 0.3 * r["bytes_total"]
+    assert r["unmatched"] == []
+    table = r["table"]
+    assert table.splitlines()[0].split() == ["path", "shape", "layout", "bytes", "total", "bytes/device"]
+    assert "mlp_in/kernel" in table and "(-, model)" in table
+    assert f"{per_device:,} bytes on each of 8 devices" in table
+
+
+def test_get_set_weights_and_on_batch_methods_with_numpy(hybrid):
+    r = hybrid[1]
+    assert r["set_weights_diff"] == 0.0
+    assert r["set_weights_evaluate_diff"] < 1e-5
+    assert math.isclose(r["next_losses"][0], r["ref_next_losses"][0], rel_tol=LOSS_RTOL)
+    assert math.isclose(r["test_on_batch"], r["ref_test_on_batch"], rel_tol=LOSS_RTOL)
+    assert r["predict_on_batch_diff"] < 1e-4
+
+
+def test_checkpoints_saved_on_2x4_restore_onto_4x2_1x8_and_one_device(hybrid, tmp_path):
+    src, saved = hybrid
+    r = run_scenario("reshard", tmp_path, src)
+    for target, mesh in (("4x2", [4, 2]), ("1x8", [1, 8]), ("one_device", None)):
+        for fmt in ("keras", "weights_h5", "checkpoint"):
+            key = f"{target}_{fmt}"
+            count, expected = r[f"{key}_state_count"]
+            assert count == expected == saved["num_weights"] + 40, key  # weights + Adam's 2 + 2 * 19 slots
+            assert r[f"{key}_state_diff"] == 0.0, key
+            for loss, ref in zip(r[f"{key}_next_losses"], saved["next_losses"]):
+                assert math.isclose(loss, ref, rel_tol=LOSS_RTOL), (key, loss, ref)
+            if mesh is not None:
+                assert r[f"{key}_mesh_shape"] == mesh, key
+                assert r[f"{key}_mlp_in_layout"] == ["unsharded", "model"], key
+
+
+@pytest.fixture(scope="module")
+def subclassed(tmp_path_factory):
+    return run_scenario("subclassed", tmp_path_factory.mktemp("subclassed"))
+
+
+def test_subclassed_model_on_model_only_mesh_with_tf_data(subclassed):
+    r = subclassed
+    assert r["batch_axis"] is None  # {"model": 8}: every device sees the whole batch
+    assert r["fit_loss_rel"] < LOSS_RTOL
+    assert r["fit_val_loss_rel"] < LOSS_RTOL
+    assert r["fit_weights_diff"] < ADAM_ATOL
+    # Every rule that should match a variable created after its name scope was gone did.
+    placements = r["placements"]
+    assert placements["sub/mlp_in/kernel"][0] == [None, "model"]
+    assert placements["sub/attention/query/kernel"][0] == [None, "model", None]
+    assert placements["sub/token_embedding/embeddings"][0] == ["model", None]
+    assert placements["sub/logits/bias"][0] == ["model"]
+    assert placements["sub/mlp_in/kernel"][2] * 8 == placements["sub/mlp_in/kernel"][1]
+    assert r["unmatched"] == [] and r["misplaced"] == []
+    # Without tfdist's variable-path hook every sharded variable would be missed: the report says so.
+    assert "sub/mlp_in/kernel" in r["late_misplaced"]
+    assert len(r["late_misplaced"]) == 13  # every variable a rule shards
+    assert any("'sub/mlp_in/kernel' has layout (None, None) but the rules give" in p for p in r["late_problems"])
+
+
+def test_transformer_preset_covers_tfdist_models_transformer_lm(subclassed):
+    r = subclassed
+    assert math.isfinite(r["lm_loss"])
+    assert r["lm_problems"] == []  # every rule matched, every variable placed as its rule says
+    lm = r["lm_placements"]
+    assert lm["block_0/mlp_in/kernel"] == [None, "model"]
+    assert lm["block_0/mlp_out/kernel"] == ["model", None]
+    assert lm["block_0/attention/attention_output/kernel"] == ["model", None, None]
+    assert lm["token_embedding/embeddings"] == ["model", None]
+    assert lm["position_embedding/embeddings"] == [None, None]
+    assert lm["logits/kernel"] == [None, "model"]
+
+
+def test_batch_only_mesh_and_conv_preset_match_one_device(tmp_path):
+    r = run_scenario("data_and_conv", tmp_path)
+    for name in ("batch_only", "conv"):
+        assert r[f"{name}_loss_rel"] < LOSS_RTOL, name
+        assert r[f"{name}_weights_diff"] < ADAM_ATOL, name
+    assert all(set(entry[0]) <= {None} for entry in r["batch_only_placements"].values())
+    conv = {path: entry for path, entry in r["conv_placements"].items() if "conv2d" in path}
+    assert len(conv) == 12  # 2 kernels, 2 biases, and Adam's 2 slots of each
+    for path, (spec, total, per_device) in conv.items():
+        assert spec[-1] == "model" and set(spec[:-1]) <= {None}, path
+        assert per_device * 4 == total, path
+    assert "cannot be split over mesh axis 'batch' of size 2" in r["uneven_batch_error"]
+    assert "drop_remainder" in r["uneven_batch_error"]
+
+
+def test_all_reduce_combining_is_refused_and_would_corrupt_adam(tmp_path):
+    r = run_scenario("unsafe_env", tmp_path, env={"DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION": "1"})
+    assert "refuses to run" in r["refused"]
+    # What the guard prevents. If these start passing the tolerances, TensorFlow fixed the pass.
+    assert r["unsafe_weights_diff"] > 10 * ADAM_ATOL
+    assert r["unsafe_loss_rel"] > 10 * LOSS_RTOL
