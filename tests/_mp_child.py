@@ -12,6 +12,7 @@ import json
 import os
 import re
 import sys
+import warnings
 
 SCENARIO, OUT = sys.argv[1], sys.argv[2]
 
@@ -248,7 +249,10 @@ def scenario_subclassed():
         late.predict(x[:16], verbose=0)
     finally:
         model_parallel._keras_compat.creating_variable_path = real
-    late_report = strategy.placement_report(late, print_fn=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        late_report = strategy.placement_report(late, print_fn=None)
+    RESULT["late_warnings"] = [str(w.message) for w in caught]
     RESULT["late_misplaced"] = [m[0] for m in late_report.misplaced]
     RESULT["late_problems"] = late_report.problems()
 

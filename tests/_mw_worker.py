@@ -56,20 +56,35 @@ class Sabotage(keras.callbacks.Callback):
 keras.utils.set_random_seed(1)
 with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05, global_clipnorm=float(OPTS["clip"]) if "clip" in OPTS else None),
+        loss="mse",
+        metrics=["mae"],
+        steps_per_execution=int(OPTS.get("spe", 1)),
+    )
 if OPTS.get("tfdata"):  # a user's in-memory tf.data pipeline, batched by the global batch
     import tensorflow as tf
 
     train = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     history = model.fit(train, epochs=EPOCHS, verbose=0, callbacks=[Sabotage()])
 else:
-    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[Sabotage()])
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[Sabotage()],
+        validation_data=(x[:10], y[:10]) if OPTS.get("val") else None,
+    )
 ev = model.evaluate(x[:12], y[:12], batch_size=BATCH, verbose=0, return_dict=True)
 pred = model.predict(x[:12], batch_size=BATCH, verbose=0)
 np.savez(
     OUT,
     *[w for w in model.get_weights()],
     loss=np.array(history.history["loss"]),
+    val_loss=np.array(history.history.get("val_loss", [])),
     eval_loss=np.array(ev["loss"]),
     pred=pred,
 )

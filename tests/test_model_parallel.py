@@ -157,6 +157,7 @@ def test_subclassed_model_on_model_only_mesh_with_tf_data(subclassed):
     assert "sub/mlp_in/kernel" in r["late_misplaced"]
     assert len(r["late_misplaced"]) == 13  # every variable a rule shards
     assert any("'sub/mlp_in/kernel' has layout (None, None) but the rules give" in p for p in r["late_problems"])
+    assert len(r["late_warnings"]) == 1 and "'sub/mlp_in/kernel' has layout" in r["late_warnings"][0]
 
 
 def test_transformer_preset_covers_tfdist_models_transformer_lm(subclassed):

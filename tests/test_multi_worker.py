@@ -25,20 +25,27 @@ def procs(tmp_path):
     p.kill_all()
 
 
+# Worker options of each reference run: dataset size, and Keras features used with the strategy.
+CONFIGS = {
+    "n20": {"n": 20},
+    "n23": {"n": 23},
+    "features": {"n": 23, "spe": 2, "clip": 0.5, "val": 1},  # steps_per_execution, clipnorm, validation
+}
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Single-process runs (no strategy), by dataset size."""
+    """Single-process runs (no strategy), by config name."""
     tmp = tmp_path_factory.mktemp("reference")
     p = _procs.Procs(tmp)
-    sizes = (20, 23)
     try:
-        for n in sizes:
-            p.start_worker(("127.0.0.1:1",), 0, tmp / f"ref{n}.npz", "reference", n=n)
+        for name, opts in CONFIGS.items():
+            p.start_worker(("127.0.0.1:1",), 0, tmp / f"{name}.npz", "reference", **opts)
         codes = p.wait(timeout=180)
-        assert codes == [0, 0], [p.log(i)[-2000:] for i in range(len(sizes))]
+        assert codes == [0] * len(CONFIGS), [p.log(i)[-2000:] for i in range(len(CONFIGS))]
     finally:
         p.kill_all()
-    return {n: dict(np.load(tmp / f"ref{n}.npz")) for n in sizes}
+    return {name: dict(np.load(tmp / f"{name}.npz")) for name in CONFIGS}
 
 
 def _weights(result):
@@ -46,23 +53,24 @@ def _weights(result):
 
 
 @pytest.mark.parametrize(
-    "num_workers, n, tfdata",
+    "num_workers, config, tfdata",
     [
-        (2, 23, ""),  # numpy input; 6,6,6,5 examples per step: the last step splits 3/2
-        (3, 20, ""),  # 6,6,6,2: the last step splits 1/1/0 (one worker has no example)
-        (2, 23, "1"),  # an in-memory tf.data pipeline batched by the global batch
+        (2, "n23", ""),  # numpy input; 6,6,6,5 examples per step: the last step splits 3/2
+        (3, "n20", ""),  # 6,6,6,2: the last step splits 1/1/0 (one worker has no example)
+        (2, "n23", "1"),  # an in-memory tf.data pipeline batched by the global batch
+        (2, "features", ""),
     ],
 )
-def test_fit_evaluate_predict_match_single_process(procs, references, tmp_path, num_workers, n, tfdata):
+def test_fit_evaluate_predict_match_single_process(procs, references, tmp_path, num_workers, config, tfdata):
     addresses = _procs.workers(num_workers)
     outs = [tmp_path / f"w{i}.npz" for i in range(num_workers)]
     for i in range(num_workers):
-        procs.start_worker(addresses, i, outs[i], "multi", n=n, batch=6, epochs=2, tfdata=tfdata)
+        procs.start_worker(addresses, i, outs[i], "multi", batch=6, epochs=2, tfdata=tfdata, **CONFIGS[config])
     codes = procs.wait(timeout=240)
     assert codes == [0] * num_workers, [procs.log(i)[-3000:] for i in range(num_workers)]
     # Keras shards numpy input by DATA itself; a tf.data pipeline without files gets the warning.
     assert ("DataShardingWarning" in procs.log(0)) == bool(tfdata)
-    ref = references[n]
+    ref = references[config]
     results = [dict(np.load(o)) for o in outs]
     for r in results:
         # Identical on every worker, bit for bit.
@@ -72,6 +80,7 @@ def test_fit_evaluate_predict_match_single_process(procs, references, tmp_path, 
             np.testing.assert_allclose(b, a, rtol=0, atol=ATOL)
         np.testing.assert_allclose(r["loss"], ref["loss"], rtol=1e-5)
         np.testing.assert_allclose(r["eval_loss"], ref["eval_loss"], rtol=1e-5)
+        np.testing.assert_allclose(r["val_loss"], ref["val_loss"], rtol=1e-5)
         np.testing.assert_allclose(r["pred"], ref["pred"], rtol=0, atol=ATOL)
     # The reference itself moved: the comparison is not trivially true.
     assert max(np.abs(w).max() for w in _weights(ref)) > 0.1
@@ -81,12 +90,12 @@ def test_bfloat16_gradient_all_reduce(procs, references, tmp_path):
     addresses = _procs.workers(2)
     outs = [tmp_path / f"w{i}.npz" for i in range(2)]
     for i in range(2):
-        procs.start_worker(addresses, i, outs[i], "multi", n=23, gdtype="bfloat16")
+        procs.start_worker(addresses, i, outs[i], "multi", gdtype="bfloat16", **CONFIGS["n23"])
     assert procs.wait(timeout=240) == [0, 0], [procs.log(i)[-3000:] for i in range(2)]
     w0, w1 = (_weights(dict(np.load(o))) for o in outs)
     for a, b in zip(w0, w1):
         np.testing.assert_array_equal(a, b)
-    drift = max(np.abs(a - b).max() for a, b in zip(w0, _weights(references[23])))
+    drift = max(np.abs(a - b).max() for a, b in zip(w0, _weights(references["n23"])))
     # bfloat16 keeps 8 bits of mantissa: the weights move, but only a little, in 8 SGD steps.
     assert 1e-5 < drift < 1e-2, drift
 

@@ -191,3 +191,18 @@ def test_strategy_refuses_dtensor_all_reduce_combining(monkeypatch):
 def test_constructor_is_keyword_only():
     with pytest.raises(TypeError):
         ModelParallelStrategy({"batch": 2, "model": 4})
+
+
+def test_strategy_builds_its_mesh_and_installs_its_hooks():
+    from tfdist.strategies import _keras_compat
+
+    strategy = ModelParallelStrategy(mesh={"batch": 2, "model": 4}, rules=layouts.transformer())
+    assert strategy.mesh_shape == {"batch": 2, "model": 4}
+    assert strategy.mesh.dim_names == ["batch", "model"]
+    assert strategy.batch_axis == "batch"
+    assert strategy.num_replicas_in_sync == 1  # one global program: Keras must not rescale the loss
+    assert strategy.rules == layouts.transformer()
+    assert repr(strategy).startswith("ModelParallelStrategy(mesh={'batch': 2, 'model': 4}")
+    assert _keras_compat.model_parallel_installed()
+    assert ModelParallelStrategy(mesh={"model": 8}).batch_axis is None  # every device sees the whole batch
+    assert ModelParallelStrategy(mesh={"data": 2, "model": 4}, batch_axis="data").batch_axis == "data"

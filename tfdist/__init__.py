@@ -7,6 +7,11 @@ follow the import.
 """
 
 import importlib
+import os
+
+# DTensor's all-reduce combining pass silently corrupts Adam updates (TF 2.21); DTensor reads this
+# when it compiles a program. ModelParallelStrategy also enforces it at construction.
+os.environ.setdefault("DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION", "0")
 
 __version__ = "0.1.0"
 
@@ -15,8 +20,9 @@ _PUBLIC = {
     "simulate_devices": "tfdist.devices",
     "DataParallelStrategy": "tfdist.strategies.data_parallel",
     "MultiWorkerStrategy": "tfdist.strategies.multi_worker",
+    "ModelParallelStrategy": "tfdist.strategies.model_parallel",
 }
-_SUBMODULES = ("cluster", "devices")
+_SUBMODULES = ("cluster", "devices", "layouts", "placement")
 
 __all__ = sorted([*_PUBLIC, *_SUBMODULES, "__version__"])
 

@@ -524,6 +524,9 @@ def installed() -> bool:
 # built later (deferred initialization) Keras' name scope is gone by then, but the Keras variable
 # knows its path: the hook records it for the creator. It only records; other strategies ignore it.
 #
+# Also checked here: ModelParallelStrategy's GatheredVariable (a DVariable read whole, stored split)
+# overrides TensorFlow's `BaseResourceVariable._read_variable_op`, the one read path.
+#
 # Hook 7: `train_on_batch` / `test_on_batch` / `predict_on_batch` hand host arrays to the traced
 # step, and a DTensor program refuses non-DTensor inputs. Under a strategy whose `extended` has
 # `_tfdist_shard_batch`, the hooks shard the batch first (class weights become sample weights on
@@ -546,6 +549,15 @@ def _variable_initialize(self, value):
 def creating_variable_path() -> str | None:
     """The Keras path of the variable whose backing tf.Variable is being created, else None."""
     return getattr(_creating, "path", None)
+
+
+def variable_path(name: str) -> str:
+    """The path of a tf.Variable being created: its Keras variable's, else Keras' name scope + `name`."""
+    path = creating_variable_path()
+    if path is None:
+        scope = keras.src.backend.common.name_scope.current_path()
+        path = f"{scope}/{name}" if scope else name
+    return path
 
 
 _trainer = keras_tf_trainer.TensorFlowTrainer
@@ -590,6 +602,10 @@ _MODEL_PARALLEL_PATCHES = (
 )
 _MODEL_PARALLEL_HOOKS = (
     ("variable_path", _original_variable_initialize, ("tf.Variable(", "name=self.name")),
+    # model_parallel.GatheredVariable overrides `_read_variable_op`, which every read goes through.
+    ("variable_read", tf.experimental.dtensor.DVariable.value, ("self._read_variable_op()",)),
+    ("variable_read_op", tf.experimental.dtensor.DVariable._read_variable_op, ("read_variable_op(",)),
+    ("variable_to_tensor", tf.experimental.dtensor.DVariable._dense_var_to_tensor, ("return self.value()",)),
     (
         "variable_deferred_init",
         keras.src.backend.common.variables.Variable.__init__,

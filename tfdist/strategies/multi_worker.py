@@ -228,8 +228,7 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
 
     Raises:
         ValueError: for an unknown `communication`, `sharding` or
-            `gradient_dtype`, or a
-            non-positive timeout.
+            `gradient_dtype`, or a non-positive timeout.
         RuntimeError: when the peers do not join within `join_timeout`.
         tfdist.cluster.ClusterError: for an invalid cluster description.
 
