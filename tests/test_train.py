@@ -118,3 +118,34 @@ def test_corpus_without_text_fails_naming_the_path(tmp_path):
     assert result.returncode != 0
     assert re.search(rf"--corpus: Corpus path '{re.escape(str(empty))}' holds no text", result.stderr)
     assert "Traceback" not in result.stderr
+
+
+def test_two_workers_under_the_launcher_train_in_step(tmp_path):
+    """tfdist-launch -n 2 -- tfdist-train: auto picks MultiWorkerStrategy; only the chief writes model_dir."""
+    model_dir = tmp_path / "model_dir"
+    flags = ["--global_batch_size=8", f"--seq_len={SEQ_LEN}", "--d_model=32", "--num_heads=2", "--num_layers=1",
+             "--steps=6", "--max_corpus_bytes=20000", f"--model_dir={model_dir}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "tfdist.launch", "-n", "2", "--join_timeout=60", "--",
+         sys.executable, "-m", "tfdist.train", *flags],
+        capture_output=True,
+        text=True,
+        timeout=TRAIN_TIMEOUT_S,
+        env={**os.environ, "PYTHONPATH": REPO},
+        cwd=REPO,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    per_worker = {
+        i: "\n".join(line[len(f"[worker {i}] "):] for line in result.stdout.splitlines()
+                     if line.startswith(f"[worker {i}] "))
+        for i in (0, 1)
+    }
+    for i, out in per_worker.items():
+        assert summary_value(out, "strategy").startswith("MultiWorkerStrategy (auto), 2 replica(s)"), out
+        assert summary_value(out, "worker").startswith(f"{i} of 2")
+    # Synchronous training: both workers end with the same held-out loss.
+    assert summary_value(per_worker[0], "held-out loss (trained)") == summary_value(
+        per_worker[1], "held-out loss (trained)"
+    )
+    assert [p.name for p in (model_dir / "checkpoints").iterdir()] == ["epoch_001.keras"]
+    assert summary_value(per_worker[1], "checkpoint") == "written by the chief"

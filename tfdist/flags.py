@@ -15,13 +15,15 @@ from __future__ import annotations
 import tensorflow as tf
 from absl import flags
 
+from tfdist import cluster as cluster_lib
 from tfdist import data as data_lib
 from tfdist import devices as devices_lib
 from tfdist.strategies.data_parallel import DataParallelStrategy
+from tfdist.strategies.multi_worker import MultiWorkerStrategy
 
 FLAGS = flags.FLAGS
 
-STRATEGIES = ("auto", "data")
+STRATEGIES = ("auto", "data", "multi_worker")
 """Valid values of --strategy."""
 
 
@@ -53,8 +55,10 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
         "enum",
         "strategy",
         "auto",
-        "How to distribute training. auto: the best strategy for the devices found (today: data); "
-        "data: synchronous data parallelism over the local devices (tfdist.DataParallelStrategy).",
+        "How to distribute training. auto: multi_worker when this process belongs to a cluster "
+        "(TF_CONFIG or Slurm, e.g. under tfdist-launch), else data; data: synchronous data parallelism "
+        "over the local devices (tfdist.DataParallelStrategy); multi_worker: synchronous data parallelism "
+        "over the cluster's processes (tfdist.MultiWorkerStrategy).",
         flag_values,
         enum_values=list(STRATEGIES),
     )
@@ -114,18 +118,40 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     _define("integer", "seed", 0, "Seed for weight initialization and data order.", flag_values)
 
 
+def resolved_strategy_name(flag_values: flags.FlagValues = FLAGS) -> str:
+    """The strategy --strategy stands for: "auto" becomes "multi_worker" in a cluster, else "data".
+
+    Example:
+
+    >>> from absl import flags
+    >>> fv = flags.FlagValues()
+    >>> define_flags(fv)
+    >>> _ = fv(["prog", "--strategy=data"])
+    >>> resolved_strategy_name(fv)
+    'data'
+    """
+    name = flag_values.strategy
+    if name == "auto":
+        cluster = cluster_lib.resolve()
+        return "multi_worker" if cluster is not None and cluster.num_workers > 1 else "data"
+    return name
+
+
 def configure_devices_from_flags(flag_values: flags.FlagValues = FLAGS) -> list[str]:
     """Sets up the local devices that --num_devices asks for.
 
     Without GPUs the host CPU is split into `--num_devices` simulated devices;
-    with GPUs nothing changes and all GPUs are used. Call it before anything
-    starts TensorFlow's runtime (any tensor, model or strategy).
+    with GPUs nothing changes and all GPUs are used. Multi-worker training
+    leaves the devices alone (each worker process is one replica on CPU, or
+    uses its GPUs). Call it before anything starts TensorFlow's runtime (any
+    tensor, model or strategy).
 
     Args:
         flag_values: parsed flags from `define_flags`.
 
     Returns:
-        The names of the devices a data-parallel strategy will use.
+        The names of the devices a data-parallel strategy will use; empty for
+        multi-worker training (the strategy picks them when it is built).
 
     Raises:
         RuntimeError: if TensorFlow's runtime already started with another
@@ -140,23 +166,33 @@ def configure_devices_from_flags(flag_values: flags.FlagValues = FLAGS) -> list[
     >>> len(configure_devices_from_flags(fv)) >= 1
     True
     """
+    if resolved_strategy_name(flag_values) == "multi_worker":
+        return []  # MultiWorkerStrategy must be built before TensorFlow's runtime starts.
     if not tf.config.list_physical_devices("GPU"):
         devices_lib.simulate_devices(flag_values.num_devices)
     return devices_lib.default_devices()
 
 
-def strategy_from_flags(flag_values: flags.FlagValues = FLAGS) -> tf.distribute.Strategy:
-    """Builds the strategy that --strategy names, over the local devices.
+def strategy_from_flags(
+    flag_values: flags.FlagValues = FLAGS, *, data_sharding: str = "auto"
+) -> tf.distribute.Strategy:
+    """Builds the strategy that --strategy names.
 
     Args:
         flag_values: parsed flags from `define_flags`.
+        data_sharding: for multi-worker training, how datasets are split over
+            workers (`tfdist.MultiWorkerStrategy`'s `sharding`); a binary whose
+            data is in memory passes "data".
 
     Returns:
-        A `tf.distribute.Strategy`: for "auto" and "data" a
-        `tfdist.DataParallelStrategy` over all GPUs, else all logical CPUs.
+        A `tf.distribute.Strategy`: for "data" (and "auto" outside a cluster) a
+        `tfdist.DataParallelStrategy` over all GPUs, else all logical CPUs; for
+        "multi_worker" (and "auto" in a cluster) a `tfdist.MultiWorkerStrategy`
+        over the cluster that TF_CONFIG or Slurm describes.
 
     Raises:
         ValueError: if --strategy is not one of `STRATEGIES`.
+        tfdist.cluster.ClusterError: for an invalid cluster description.
 
     Example:
 
@@ -167,7 +203,9 @@ def strategy_from_flags(flag_values: flags.FlagValues = FLAGS) -> tf.distribute.
     >>> type(strategy_from_flags(fv)).__name__
     'DataParallelStrategy'
     """
-    name = flag_values.strategy
-    if name in ("auto", "data"):
+    name = resolved_strategy_name(flag_values)
+    if name == "data":
         return DataParallelStrategy()
+    if name == "multi_worker":
+        return MultiWorkerStrategy(sharding=data_sharding)
     raise ValueError(f"Invalid value for flag --strategy. Received: --strategy={name!r}. Expected one of {STRATEGIES}.")

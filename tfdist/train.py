@@ -16,10 +16,12 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import atexit  # noqa: E402
 import contextlib  # noqa: E402
 import importlib.util  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -149,20 +151,29 @@ def main(argv: list[str]) -> int:
         corpus = data_lib.load_corpus(FLAGS.corpus, max_bytes=FLAGS.max_corpus_bytes)
     except ValueError as e:
         _fail(f"--corpus: {e}")
-    model_dir = FLAGS.model_dir or tempfile.mkdtemp(prefix="tfdist-train-")
+    try:
+        devices = tfdist_flags.configure_devices_from_flags(FLAGS)
+        # The corpus is in memory: every worker holds it and keeps its share of each batch.
+        strategy = tfdist_flags.strategy_from_flags(FLAGS, data_sharding="data")
+    except (RuntimeError, ValueError) as e:  # ClusterError is a ValueError
+        _fail(str(e))
+    replicas = strategy.num_replicas_in_sync
+    devices = devices or list(strategy.extended.worker_devices)
+    cluster = getattr(strategy, "cluster", None)
+    chief = cluster is None or cluster.is_chief
+
+    # Every worker saves (saving may run collectives); only the chief writes into --model_dir,
+    # the others into a temporary directory removed at exit.
+    model_dir = FLAGS.model_dir if chief else None
+    model_dir = model_dir or tempfile.mkdtemp(prefix="tfdist-train-")
+    if not chief:
+        atexit.register(shutil.rmtree, model_dir, ignore_errors=True)
     checkpoint_dir = os.path.join(model_dir, "checkpoints")
     log_dir = os.path.join(model_dir, "logs")
     try:
         os.makedirs(checkpoint_dir, exist_ok=True)
     except OSError as e:
         _fail(f"--model_dir: cannot create {checkpoint_dir!r}: {e}")
-
-    try:
-        devices = tfdist_flags.configure_devices_from_flags(FLAGS)
-    except RuntimeError as e:
-        _fail(str(e))
-    strategy = tfdist_flags.strategy_from_flags(FLAGS)
-    replicas = strategy.num_replicas_in_sync
 
     try:
         train_ds, heldout_ds = data_lib.lm_datasets(
@@ -223,6 +234,8 @@ def main(argv: list[str]) -> int:
     _print_summary(
         [
             ("strategy", f"{type(strategy).__name__} ({FLAGS.strategy}), {replicas} replica(s)"),
+            ("worker", f"{cluster.task_index} of {cluster.num_workers}" + (" (chief)" if chief else "")
+             if cluster is not None else "single process"),
             ("devices", ", ".join(devices)),
             (
                 "model",
@@ -249,8 +262,8 @@ def main(argv: list[str]) -> int:
             ("held-out loss (trained)", f"{trained:.4f}"),
             ("held-out perplexity (untrained)", f"{_perplexity(untrained):.2f}"),
             ("held-out perplexity (trained)", f"{_perplexity(trained):.2f}"),
-            ("checkpoint", checkpoint_pattern.format(epoch=FLAGS.epochs)),
-            ("TensorBoard logs", log_dir),
+            ("checkpoint", checkpoint_pattern.format(epoch=FLAGS.epochs) if chief else "written by the chief"),
+            ("TensorBoard logs", log_dir if chief else "written by the chief"),
         ]
     )
     return 0
