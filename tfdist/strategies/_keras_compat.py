@@ -398,7 +398,7 @@ def _drop_padding(value, padded):
 
 
 # --------------------------------------------------------------------------------------------
-# Multi-worker (tfdist.MultiWorkerStrategy). Hook 4: Keras' `reduce_per_replica` reduces the
+# Multi-worker (tfdist.MultiWorkerStrategy). Hook 5: Keras' `reduce_per_replica` reduces the
 # "mean" of step outputs (scalar metric results) across workers with `strategy.reduce(..., axis=0)`,
 # which fails on scalars ("Invalid reduction dimension 0"). tfdist takes the element-wise mean over
 # all replicas (axis=None), the multi-worker equivalent of Keras' single-worker mean of
@@ -633,3 +633,32 @@ def install_model_parallel() -> None:
 def model_parallel_installed() -> bool:
     """True once `install_model_parallel()` has patched Keras."""
     return all(getattr(owner, attribute) is hook for owner, attribute, hook in _MODEL_PARALLEL_PATCHES)
+
+
+# --------------------------------------------------------------------------------------------
+# callbacks (tfdist.callbacks). Checked on TensorFlow 2.21 / Keras 3.15.
+#
+# Hook 8: resuming mid-training. `fit` starts at `model._initial_epoch` when set (Keras' own
+# BackupAndRestore sets it in `on_train_begin`), builds `model.train_function` BEFORE
+# `on_train_begin`, and looks `self.train_function` up again for every step, passing it the data
+# iterator. tfdist's BackupAndRestore sets the epoch the same way and, for a resumed epoch, swaps
+# `train_function` for one that draws the already-trained batches from the iterator without
+# training on them, then puts the original back. Nothing is patched; only these facts are checked.
+# --------------------------------------------------------------------------------------------
+def set_initial_epoch(model, epoch: int | None) -> None:
+    """Makes the running (or next) `fit` of `model` start at `epoch` (None: the `initial_epoch` argument)."""
+    model._initial_epoch = epoch
+
+
+_CALLBACK_HOOKS = (
+    (
+        "fit_resume",
+        keras_tf_trainer.TensorFlowTrainer.fit,
+        (
+            "initial_epoch = self._initial_epoch or initial_epoch",
+            "self.make_train_function()\n        callbacks.on_train_begin()",
+            "logs = self.train_function(iterator)",
+        ),
+    ),
+)
+_HOOKS = _HOOKS + _CALLBACK_HOOKS

@@ -1,0 +1,36 @@
+"""Keras callbacks for distributed training: checkpoints, exact resume, sync checks, throughput.
+
+Every callback here works under `tfdist.DataParallelStrategy`,
+`tfdist.MultiWorkerStrategy` and `tfdist.ModelParallelStrategy`. Callbacks that
+communicate between workers (`SyncCheck`, `MetricAverage`, and
+`BackupAndRestore` under a multi-worker strategy) run their collectives on
+every worker at the same point; give every worker the same callback list, in
+the same order.
+"""
+
+from tfdist.callbacks.checkpoint import (
+    BackupAndRestore,
+    Checkpoint,
+    CheckpointCorruptWarning,
+    CheckpointMismatchError,
+    latest_checkpoint,
+    restore_checkpoint,
+)
+from tfdist.callbacks.schedules import LearningRateWarmup, WarmupSchedule
+from tfdist.callbacks.sync import MetricAverage, SyncCheck, SyncError
+from tfdist.callbacks.throughput import Throughput
+
+__all__ = [
+    "BackupAndRestore",
+    "Checkpoint",
+    "CheckpointCorruptWarning",
+    "CheckpointMismatchError",
+    "LearningRateWarmup",
+    "MetricAverage",
+    "SyncCheck",
+    "SyncError",
+    "Throughput",
+    "WarmupSchedule",
+    "latest_checkpoint",
+    "restore_checkpoint",
+]
