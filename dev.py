@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
         ensure_venv(None)
         return subprocess.run([PYTHON, "-m", "tfdist.train", *rest], cwd=ROOT, env=env).returncode
     ensure_venv("test")
-    lint_paths = ["tfdist", "tests", "benchmarks", "dev.py"]
+    lint_paths = ["tfdist", "tests", "benchmarks", "examples", "dev.py"]
     lint = subprocess.run([PYTHON, "-m", "ruff", "check", *lint_paths], cwd=ROOT)
     if lint.returncode:
         print("ruff found problems (above).", file=sys.stderr)

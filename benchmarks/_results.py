@@ -27,9 +27,11 @@ def machine() -> str:
     except OSError:
         pass
     gpus = tf.config.list_physical_devices("GPU")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (
         f"{cpu}, {os.cpu_count()} cores, GPUs: {len(gpus) or 'none'}; "
-        f"TensorFlow {tf.__version__}, Keras {keras.__version__}, Python {platform.python_version()}"
+        f"TensorFlow {tf.__version__}, Keras {keras.__version__}, Python {platform.python_version()}; "
+        f"load average when written (1/5/15 min): {load}"
     )
 
 

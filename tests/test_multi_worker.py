@@ -161,6 +161,7 @@ def test_multi_worker_hooks_are_registered_and_checked(monkeypatch):
     "kwargs, match",
     [
         ({"communication": "nccl2"}, r"communication='nccl2'.*\('auto', 'ring', 'nccl'\)"),
+        ({"communication": "nccl"}, r"'nccl' needs GPUs, and this machine has none"),
         ({"timeout": 0}, r"timeout=0"),
         ({"heartbeat_timeout": -1}, r"heartbeat_timeout=-1"),
         ({"join_timeout": "10"}, r"join_timeout='10'"),

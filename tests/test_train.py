@@ -121,10 +121,10 @@ def test_corpus_without_text_fails_naming_the_path(tmp_path):
 
 
 def test_two_workers_under_the_launcher_train_in_step(tmp_path):
-    """tfdist-launch -n 2 -- tfdist-train: auto picks MultiWorkerStrategy; only the chief writes model_dir."""
+    """tfdist-launch -n 2 -- tfdist-train --strategy=multi_worker; only the chief writes model_dir."""
     model_dir = tmp_path / "model_dir"
     flags = ["--global_batch_size=8", f"--seq_len={SEQ_LEN}", "--d_model=32", "--num_heads=2", "--num_layers=1",
-             "--steps=6", "--max_corpus_bytes=20000", f"--model_dir={model_dir}"]
+             "--steps=6", "--max_corpus_bytes=20000", f"--model_dir={model_dir}", "--strategy=multi_worker"]
     result = subprocess.run(
         [sys.executable, "-m", "tfdist.launch", "-n", "2", "--join_timeout=60", "--",
          sys.executable, "-m", "tfdist.train", *flags],
@@ -141,7 +141,7 @@ def test_two_workers_under_the_launcher_train_in_step(tmp_path):
         for i in (0, 1)
     }
     for i, out in per_worker.items():
-        assert summary_value(out, "strategy").startswith("MultiWorkerStrategy (auto), 2 replica(s)"), out
+        assert summary_value(out, "strategy").startswith("MultiWorkerStrategy (multi_worker), 2 replica(s)"), out
         assert summary_value(out, "worker").startswith(f"{i} of 2")
     # Synchronous training: both workers end with the same held-out loss.
     assert summary_value(per_worker[0], "held-out loss (trained)") == summary_value(
@@ -149,3 +149,27 @@ def test_two_workers_under_the_launcher_train_in_step(tmp_path):
     )
     assert [p.name for p in (model_dir / "checkpoints").iterdir()] == ["epoch_001.keras"]
     assert summary_value(per_worker[1], "checkpoint") == "written by the chief"
+
+
+@pytest.mark.parametrize(
+    "tf_config,expected",
+    [
+        (None, "data"),
+        ('{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}}',
+         "multi_worker"),
+        ('{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}', "data"),
+    ],
+)
+def test_auto_strategy_is_multi_worker_inside_a_cluster(monkeypatch, tf_config, expected):
+    from absl import flags
+
+    from tfdist import flags as tfdist_flags
+
+    for name in ("TF_CONFIG", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST"):
+        monkeypatch.delenv(name, raising=False)
+    if tf_config:
+        monkeypatch.setenv("TF_CONFIG", tf_config)
+    flag_values = flags.FlagValues()
+    tfdist_flags.define_flags(flag_values)
+    flag_values(["prog"])
+    assert tfdist_flags.resolved_strategy_name(flag_values) == expected

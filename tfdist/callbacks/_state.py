@@ -166,7 +166,7 @@ def write_file(path: str, paths, arrays, meta: dict) -> int:
                 z.writestr(_META, json.dumps(meta))
                 for i, a in enumerate(arrays):
                     with z.open(f"{i:06d}.npy", "w", force_zip64=True) as member:
-                        np.lib.format.write_array(member, np.ascontiguousarray(a), allow_pickle=False)
+                        np.lib.format.write_array(member, np.asarray(a, order="C"), allow_pickle=False)
             f.flush()
             os.fsync(f.fileno())
         size = os.path.getsize(temp)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import keras
+import numpy as np
 
 from tfdist.callbacks import _state
 
@@ -136,7 +137,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
                 "optimizer instead."
             ) from e
         if self.base_learning_rate is None:
-            self.base_learning_rate = float(optimizer.learning_rate)
+            self.base_learning_rate = float(np.asarray(optimizer.learning_rate.numpy()))
 
     def on_train_batch_begin(self, batch, logs=None):
         optimizer = self.model.optimizer

@@ -19,7 +19,7 @@ class SyncError(RuntimeError):
 
 def _fingerprint(array) -> float:
     """A 48-bit hash of the array's bytes (exact in float64, so it survives a float collective)."""
-    digest = hashlib.blake2b(np.ascontiguousarray(array).tobytes(), digest_size=6).digest()
+    digest = hashlib.blake2b(np.asarray(array, order="C").tobytes(), digest_size=6).digest()
     return float(int.from_bytes(digest, "little"))
 
 

@@ -258,6 +258,10 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                 f"Invalid value for argument `communication`. Received: communication={communication!r}. "
                 f"Expected one of {COMMUNICATION_CHOICES}."
             )
+        if communication == "nccl" and not tf.config.list_physical_devices("GPU"):
+            raise ValueError(
+                "communication='nccl' needs GPUs, and this machine has none. Use communication='auto' or 'ring'."
+            )
         if sharding not in SHARDING_CHOICES:
             raise ValueError(
                 f"Invalid value for argument `sharding`. Received: sharding={sharding!r}. "
