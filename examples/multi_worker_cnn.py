@@ -19,6 +19,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True, help="directory for backups and final weights")
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--global_batch", type=int, default=32)
+parser.add_argument("--num_examples", type=int, default=200)
 args = parser.parse_args()
 
 # First thing: the strategy (it starts TensorFlow's multi-worker runtime).
@@ -29,7 +30,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 rng = np.random.default_rng(0)
-images = rng.random((200, 12, 12, 1), dtype=np.float32)
+images = rng.random((args.num_examples, 12, 12, 1), dtype=np.float32)
 labels = (images.mean(axis=(1, 2, 3)) > 0.5).astype("int32")
 # The tf.data pipeline is batched by the GLOBAL batch; the strategy splits each batch over workers.
 train = tf.data.Dataset.from_tensor_slices((images, labels)).batch(args.global_batch)

@@ -176,17 +176,24 @@ def test_free_ports_are_distinct_loopback_ports():
     assert len(set(ports)) == 8 and all(0 < p < 65536 for p in ports)
 
 
-def test_tutorial_example_under_the_launcher_matches_one_process(tmp_path):
-    """examples/multi_worker_cnn.py (CNN, SGD, tf.data global batch, BackupAndRestore) on 2 workers."""
+@pytest.mark.parametrize(
+    "num_workers,num_examples",
+    [(2, 200), (3, 193)],  # 193: the last global batch holds 1 example, so two workers get none
+)
+def test_tutorial_example_under_the_launcher_matches_one_process(tmp_path, num_workers, num_examples):
+    """examples/multi_worker_cnn.py (CNN, SGD, tf.data global batch, BackupAndRestore) on several workers."""
     script = os.path.join(_procs.REPO, "examples", "multi_worker_cnn.py")
-    example = [sys.executable, "-W", "ignore::UserWarning", script]
+    example = [sys.executable, "-W", "ignore::UserWarning", script, f"--num_examples={num_examples}"]
     single = run([*example, f"--out={tmp_path / 'one'}"], timeout=180)
     assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
-    result = run([*LAUNCH, "-n", "2", "--join_timeout", "60", "--", *example, f"--out={tmp_path / 'two'}"], timeout=180)
+    launch = [*LAUNCH, "-n", str(num_workers), "--join_timeout", "60", "--"]
+    result = run([*launch, *example, f"--out={tmp_path / 'many'}"], timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "[worker 0] worker 0 done" in result.stdout and "[worker 1] worker 1 done" in result.stdout
+    for i in range(num_workers):
+        assert f"[worker {i}] worker {i} done" in result.stdout
     reference = np.load(tmp_path / "one" / "weights-0.npz")
-    w0, w1 = (np.load(tmp_path / "two" / f"weights-{i}.npz") for i in range(2))
+    weights = [np.load(tmp_path / "many" / f"weights-{i}.npz") for i in range(num_workers)]
     for k in reference.files:
-        np.testing.assert_array_equal(w0[k], w1[k])
-        np.testing.assert_allclose(w0[k], reference[k], rtol=0, atol=1e-6)
+        for w in weights[1:]:
+            np.testing.assert_array_equal(w[k], weights[0][k])
+        np.testing.assert_allclose(weights[0][k], reference[k], rtol=0, atol=1e-6)

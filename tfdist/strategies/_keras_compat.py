@@ -306,9 +306,9 @@ class ExactReplicaMixin:
         A global batch smaller than the number of replicas leaves some replicas
         without examples, and several CPU kernels (oneDNN convolutions) fail on
         an empty batch. For Keras' train/test/predict steps such a replica runs
-        on a copy of replica 0's first example with loss share 0, its metric
-        updates are undone and its outputs dropped, so the step equals one
-        device's.
+        on one filler row (replica 0's first example, or zeros on a worker with
+        no example at all) with loss share 0, its metric updates are undone and
+        its outputs dropped, so the step equals one device's.
         """
         batched = [
             leaf
@@ -336,14 +336,20 @@ class ExactReplicaMixin:
         return args, tf_values.PerReplica(shares), tf_values.PerReplica(padded), model
 
     def _tfdist_pad(self, leaf, counts):
-        """Gives each empty replica of a batched PerReplica leaf replica 0's first row."""
+        """Gives each empty local replica of a batched PerReplica leaf one filler row.
+
+        The filler is replica 0's first row when it has one (real data), else a
+        row of zeros (a worker whose replicas all got no example).
+        """
         if not isinstance(leaf, tf_values.PerReplica) or not leaf.values[0].shape.rank:
             return leaf
         devices = self.worker_devices
+        first = leaf.values[0]
         with tf.device(devices[0]):
-            filler = leaf.values[0][:1]
-        parts = [leaf.values[0]]
-        for device, count, part in zip(devices[1:], counts[1:], leaf.values[1:]):
+            zeros = tf.zeros(tf.concat([[1], tf.shape(first)[1:]], axis=0), dtype=first.dtype)
+            filler = tf.cond(counts[0] > 0, lambda: first[:1], lambda: zeros)
+        parts = []
+        for device, count, part in zip(devices, counts, leaf.values):
             with tf.device(device):
                 parts.append(tf.cond(count > 0, lambda p=part: p, lambda: filler))
         return tf_values.PerReplica(parts)
@@ -641,24 +647,108 @@ def model_parallel_installed() -> bool:
 # Hook 8: resuming mid-training. `fit` starts at `model._initial_epoch` when set (Keras' own
 # BackupAndRestore sets it in `on_train_begin`), builds `model.train_function` BEFORE
 # `on_train_begin`, and looks `self.train_function` up again for every step, passing it the data
-# iterator. tfdist's BackupAndRestore sets the epoch the same way and, for a resumed epoch, swaps
-# `train_function` for one that draws the already-trained batches from the iterator without
-# training on them, then puts the original back. Nothing is patched; only these facts are checked.
+# iterator. tfdist's BackupAndRestore sets the epoch the same way and wraps `train_function` to
+# count the batches drawn from the current iterator and, when resuming, to draw the already-trained
+# batches without training on them.
+#
+# Hook 9: the data position. Keras' TFEpochIterator calls `iter()` on the distributed dataset once
+# for the symbolic build and then, depending on the input, once per epoch plus once at each epoch
+# end, or once for the whole fit (a repeated dataset with `steps_per_epoch`). A tf.data pipeline
+# that reshuffles each iteration draws a new order at every `iter()`, so the order of a resumed
+# epoch depends on how many iterators came before it. The hook counts them (per TFEpochIterator,
+# and remembers the training one `fit` created last), so BackupAndRestore can create the same
+# number before the resumed epoch. It only counts; the iterators are Keras' own.
 # --------------------------------------------------------------------------------------------
 def set_initial_epoch(model, epoch: int | None) -> None:
     """Makes the running (or next) `fit` of `model` start at `epoch` (None: the `initial_epoch` argument)."""
     model._initial_epoch = epoch
 
 
+_original_epoch_iterator_init = keras_tf_trainer.TFEpochIterator.__init__
+_original_get_iterator = keras_tf_trainer.TFEpochIterator._get_iterator
+_latest_epoch_iterator = threading.local()
+
+
+class _CountingDataset:
+    """Stands in for an epoch iterator's distributed dataset; counts the iterators made from it."""
+
+    def __init__(self, owner, dataset):
+        self._owner, self._dataset = owner, dataset
+
+    def __iter__(self):
+        iterator = iter(self._dataset)
+        self._owner._tfdist_iterators_created = iterators_created(self._owner) + 1
+        return iterator
+
+
+def _epoch_iterator_init(self, *args, **kwargs):
+    _original_epoch_iterator_init(self, *args, **kwargs)
+    _latest_epoch_iterator.value = self
+
+
+def _get_iterator(self):
+    return _CountingDataset(self, _original_get_iterator(self))
+
+
+def latest_epoch_iterator():
+    """The Keras TFEpochIterator constructed last in this thread (in `on_train_begin`: fit's), else None."""
+    return getattr(_latest_epoch_iterator, "value", None)
+
+
+def iterators_created(epoch_iterator) -> int:
+    """How many iterators `epoch_iterator` has made of its dataset so far."""
+    return getattr(epoch_iterator, "_tfdist_iterators_created", 0)
+
+
+def make_unused_iterators(epoch_iterator, count: int) -> None:
+    """Makes `count` iterators of the epoch iterator's dataset and drops them (advances reshuffling seeds)."""
+    from tfdist.strategies import model_parallel
+
+    dataset = _original_get_iterator(epoch_iterator)
+    if isinstance(dataset, model_parallel._DTensorBatches):  # a generator: its tf.data iterator starts lazily
+        dataset = dataset._dataset
+    for _ in range(count):
+        iter(dataset)
+    epoch_iterator._tfdist_iterators_created = iterators_created(epoch_iterator) + count
+
+
+_CALLBACK_PATCHES = (
+    (keras_tf_trainer.TFEpochIterator, "__init__", _epoch_iterator_init),
+    (keras_tf_trainer.TFEpochIterator, "_get_iterator", _get_iterator),
+)
 _CALLBACK_HOOKS = (
     (
         "fit_resume",
         keras_tf_trainer.TensorFlowTrainer.fit,
         (
             "initial_epoch = self._initial_epoch or initial_epoch",
+            "epoch_iterator = TFEpochIterator(",
             "self.make_train_function()\n        callbacks.on_train_begin()",
             "logs = self.train_function(iterator)",
         ),
     ),
+    ("epoch_iterator_dataset", _original_get_iterator, ("return self._distributed_dataset",)),
+    (
+        "epoch_iterator_iter",
+        keras.src.trainers.epoch_iterator.EpochIterator._enumerate_iterator,
+        ("iter(self._get_iterator())",),
+    ),
 )
+
+
+def install_callbacks() -> None:
+    """Installs the iterator-counting hook BackupAndRestore needs (idempotent; it only counts)."""
+    with _install_lock:
+        if not callbacks_installed():
+            for name, target, needles in _CALLBACK_HOOKS:
+                _require(name, target, *needles)
+            for owner, attribute, hook in _CALLBACK_PATCHES:
+                setattr(owner, attribute, hook)
+
+
+def callbacks_installed() -> bool:
+    """True once `install_callbacks()` has patched Keras."""
+    return all(getattr(owner, attribute) is hook for owner, attribute, hook in _CALLBACK_PATCHES)
+
+
 _HOOKS = _HOOKS + _CALLBACK_HOOKS
