@@ -178,6 +178,17 @@ def scenario_hybrid():
     RESULT["ref_test_on_batch"] = float(ref.test_on_batch(vx[:8], vy[:8], return_dict=True)["loss"])
     RESULT["predict_on_batch_diff"] = max_diff([model.predict_on_batch(vx[:8])], [ref.predict_on_batch(vx[:8])])
 
+    # A dataset that reshuffles on every pass: the mesh trains on the same order as one device.
+    def reshuffled():
+        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=3).batch(16)
+
+    ref_shuffled = transformer_block()
+    ref_shuffled.fit(reshuffled(), epochs=1, verbose=0)
+    with strategy.scope():
+        model_shuffled = transformer_block()
+    model_shuffled.fit(reshuffled(), epochs=1, verbose=0)
+    RESULT["reshuffled_weights_diff"] = max_diff(model_shuffled.get_weights(), ref_shuffled.get_weights())
+
 
 def scenario_reshard():
     """Restores the hybrid scenario's checkpoints onto 4x2, 1x8 and one device."""

@@ -269,3 +269,18 @@ def test_fit_modes_match_single_device(compile_kwargs):
     assert_weights_close(ref, dist, SGD_ATOL)
     for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
         np.testing.assert_allclose(dist_hist[key], ref_hist[key], rtol=LOSS_RTOL, err_msg=key)
+
+
+def test_reshuffling_dataset_trains_on_the_same_order_as_one_device():
+    """A `shuffle()`d dataset reshuffles on every pass; building the model must not start a pass."""
+    x, y = data(64)
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=5).batch(16)
+
+    ref = cnn(sgd)
+    ref.fit(dataset(), epochs=2, verbose=0)
+    with tfdist.DataParallelStrategy(devices=DEVICES).scope():
+        dist = cnn(sgd)
+    dist.fit(dataset(), epochs=2, verbose=0)
+    assert_weights_close(ref, dist, SGD_ATOL)

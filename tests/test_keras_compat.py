@@ -1,5 +1,7 @@
 """The private TF/Keras hooks: installed, still matching the code they replace, and still needed."""
 
+import itertools
+
 import keras
 import numpy as np
 import pytest
@@ -9,6 +11,17 @@ import tfdist
 from tfdist.strategies import _keras_compat
 
 DEVICES = [f"CPU:{i}" for i in range(4)]
+_KEY_BASES = itertools.count(1)
+
+
+def plain_mirrored(devices):
+    """A plain tf.distribute.MirroredStrategy with collective keys of its own.
+
+    TensorFlow gives every MirroredStrategy the same key base, so two in one process mix their
+    all-reduces; TensorFlow's own tests bump the base per strategy, as this does.
+    """
+    base = {"_collective_key_base": next(_KEY_BASES) * 100_000}
+    return type("PlainMirroredStrategy", (tf.distribute.MirroredStrategy,), base)(devices)
 
 
 def test_installed_versions_are_the_checked_ones():
@@ -57,7 +70,7 @@ def test_hooks_leave_plain_mirrored_strategy_as_keras_has_it():
     x, y = _data()
     ref = _mlp(keras.optimizers.SGD(0.1))
     ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)  # batches of 8 then 2: uneven
-    with tf.distribute.MirroredStrategy(DEVICES).scope():
+    with plain_mirrored(DEVICES).scope():
         plain = _mlp(keras.optimizers.SGD(0.1))
     plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     diff = max(np.abs(a - b).max() for a, b in zip(ref.get_weights(), plain.get_weights()))
@@ -67,7 +80,7 @@ def test_hooks_leave_plain_mirrored_strategy_as_keras_has_it():
 def test_gradient_accumulation_still_fails_under_plain_mirrored_strategy():
     """If this starts failing, Keras fixed merge_call-in-cond upstream; revisit the apply hook."""
     x, y = _data()
-    with tf.distribute.MirroredStrategy(DEVICES).scope():
+    with plain_mirrored(DEVICES).scope():
         plain = _mlp(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
     with pytest.raises(RuntimeError, match="merge_call"):
         plain.fit(x, y, batch_size=8, epochs=1, verbose=0)
@@ -76,8 +89,24 @@ def test_gradient_accumulation_still_fails_under_plain_mirrored_strategy():
 def test_steps_per_execution_still_fails_under_plain_mirrored_strategy():
     """If this starts failing, Keras/TF fixed the nested step function in the while loop; drop the hook."""
     x, y = _data()
-    with tf.distribute.MirroredStrategy(DEVICES).scope():
+    with plain_mirrored(DEVICES).scope():
         plain = _mlp(keras.optimizers.SGD(0.1))
         plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=2)
     with pytest.raises(tf.errors.InvalidArgumentError, match="must feed a value for placeholder"):
         plain.fit(x, y, batch_size=4, epochs=1, verbose=0)
+
+
+def test_reshuffling_dataset_order_still_differs_under_plain_mirrored_strategy():
+    """If this starts failing, Keras stopped drawing a batch for its symbolic build; revisit hook 3."""
+    x, y = _data()
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(10, seed=5).batch(2)
+
+    ref = _mlp(keras.optimizers.SGD(0.1))
+    ref.fit(dataset(), epochs=1, verbose=0)
+    with plain_mirrored(DEVICES[:2]).scope():
+        plain = _mlp(keras.optimizers.SGD(0.1))
+    plain.fit(dataset(), epochs=1, verbose=0)
+    diff = max(np.abs(a - b).max() for a, b in zip(ref.get_weights(), plain.get_weights()))
+    assert diff > 1e-3, diff

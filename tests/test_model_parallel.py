@@ -52,6 +52,8 @@ def test_transformer_block_on_2x4_mesh_matches_one_device(hybrid):
     assert r["fit_weights_diff"] < ADAM_ATOL
     assert r["evaluate_diff"] < 1e-5
     assert r["predict_diff"] < 1e-4
+    # tf.data that reshuffles every pass: Keras' own symbolic build would start an extra pass.
+    assert r["reshuffled_weights_diff"] < ADAM_ATOL
 
 
 def test_tensorflow_imported_first_still_gets_the_safe_dtensor_setting(hybrid):

@@ -18,9 +18,11 @@ Keras 3.15) is wrong or broken in four ways that tfdist corrects:
    runs Keras' own `apply` once in cross-replica context on the reduced
    gradient, so clipping, accumulation, weight decay and EMA behave as on one
    device. Hooks: `TFOptimizer.apply`, and the strategy's `_use_merge_call`.
-3. Symbolic build. Keras builds the model on the replica-MEAN of the first
-   batch, which crashes (`AddN`) when the first batch splits unevenly. tfdist
-   builds on one replica's local batch. Hook: `TensorFlowTrainer._maybe_symbolic_build`.
+3. Symbolic build. Keras builds the model on the replica-MEAN of a first batch
+   drawn from an extra iterator: it crashes (`AddN`) when that batch splits
+   unevenly, and the extra pass reshuffles a `shuffle()`d dataset, so training
+   sees another order than on one device. tfdist builds from the dataset's
+   element spec. Hook: `TensorFlowTrainer._maybe_symbolic_build`.
 4. `steps_per_execution > 1` fails at run time under MirroredStrategy (a nested
    tf.function in a cond in a while loop). tfdist traces the step inline.
    Hook: `TensorFlowTrainer._make_function`.
@@ -169,39 +171,44 @@ def _apply(self, grads, trainable_variables=None):
 
 
 # --------------------------------------------------------------------------------------------
-# Hook 3: symbolic build on one replica's batch instead of the replica mean.
+# Hook 3: symbolic build from the dataset's element spec. Keras builds the model on the
+# replica-MEAN of a first batch it draws from a fresh iterator: that crashes (`AddN`) when the
+# first batch splits unevenly, and it starts one extra pass over the dataset, so a dataset that
+# reshuffles on every pass (`shuffle()`'s default) trains on another order than on one device.
+# Under tfdist strategies the model is built from the distributed dataset's element spec (shapes
+# and dtypes, which is all the build uses), reading no data.
 # --------------------------------------------------------------------------------------------
 _original_maybe_symbolic_build = keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build
 
 
-def _largest_local_batch(strategy, batch):
-    """The local batch of the replica holding the most examples (the first batch may be uneven)."""
-    flat = nest.flatten(batch)
-    per_leaf = [
-        strategy.experimental_local_results(x) if isinstance(x, tf.distribute.DistributedValues) else None
-        for x in flat
-    ]
-    num_local = max((len(p) for p in per_leaf if p is not None), default=1)
-    replicas = [
-        [x if parts is None else parts[r] for x, parts in zip(flat, per_leaf)] for r in range(num_local)
-    ]
-    sized = next((i for i, x in enumerate(flat) if getattr(x, "shape", None) is not None), None)
+def _is_tfdist_strategy(strategy) -> bool:
+    return type(strategy).__module__.startswith("tfdist.")
 
-    def size(replica):
-        leaf = replica[sized] if sized is not None else None
-        return int(tf.shape(leaf)[0]) if leaf is not None and leaf.shape.rank else 0
 
-    best = max(replicas, key=size)
-    return nest.pack_sequence_as(batch, best)
+def _batch_spec(epoch_iterator):
+    """One replica's batch as TensorSpecs, from the epoch iterator's distributed dataset."""
+    spec = getattr(getattr(epoch_iterator, "_distributed_dataset", None), "element_spec", None)
+    if spec is None:
+        return None
+
+    def one_replica(leaf):
+        if isinstance(leaf, tf_values.PerReplicaSpec):
+            return leaf._value_specs[0]
+        return leaf
+
+    return nest.map_structure(one_replica, spec)
 
 
 def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     strategy = self._distribute_strategy
-    if strategy is None or not _is_exact_strategy(strategy) or iterator is None:
+    if strategy is None or not _is_tfdist_strategy(strategy) or iterator is None:
         return _original_maybe_symbolic_build(self, iterator=iterator, data_batch=data_batch)
-    for _, _, it in iterator:
-        data_batch = _largest_local_batch(strategy, next(it))
-        break
+    data_batch = _batch_spec(iterator)
+    if data_batch is None:
+        raise CompatError(
+            "tfdist hook 'symbolic_build': the epoch iterator has no distributed dataset with an element "
+            f"spec (checked on Keras {CHECKED_ON['keras']}, installed {keras.__version__})."
+        )
     with strategy.scope():
         self._symbolic_build(data_batch=data_batch)
 
@@ -446,6 +453,11 @@ _HOOKS = (
         "symbolic_build",
         keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build,
         ('self.distribute_strategy.reduce(', '"MEAN"', "self._symbolic_build(data_batch=data_batch)"),
+    ),
+    (
+        "epoch_iterator_dataset",
+        keras_tf_trainer.TFEpochIterator.__init__,
+        ("self._distributed_dataset = dataset",),
     ),
     (
         "inline_step",
