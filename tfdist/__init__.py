@@ -22,7 +22,7 @@ _PUBLIC = {
     "MultiWorkerStrategy": "tfdist.strategies.multi_worker",
     "ModelParallelStrategy": "tfdist.strategies.model_parallel",
 }
-_SUBMODULES = ("cluster", "data", "devices", "layouts", "models", "placement")
+_SUBMODULES = ("callbacks", "cluster", "data", "devices", "layouts", "models", "placement")
 
 __all__ = sorted([*_PUBLIC, *_SUBMODULES, "__version__"])
 

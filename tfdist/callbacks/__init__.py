@@ -8,16 +8,17 @@ every worker at the same point; give every worker the same callback list, in
 the same order.
 """
 
-from tfdist.callbacks.checkpoint import (
-    BackupAndRestore,
-    Checkpoint,
-    CheckpointCorruptWarning,
-    CheckpointMismatchError,
-    latest_checkpoint,
-    restore_checkpoint,
-)
-from tfdist.callbacks.schedules import LearningRateWarmup, WarmupSchedule
-from tfdist.callbacks.sync import MetricAverage, SyncCheck, SyncError
+from tfdist.callbacks.checkpoint import BackupAndRestore
+from tfdist.callbacks.checkpoint import Checkpoint
+from tfdist.callbacks.checkpoint import CheckpointCorruptWarning
+from tfdist.callbacks.checkpoint import CheckpointMismatchError
+from tfdist.callbacks.checkpoint import latest_checkpoint
+from tfdist.callbacks.checkpoint import restore_checkpoint
+from tfdist.callbacks.schedules import LearningRateWarmup
+from tfdist.callbacks.schedules import WarmupSchedule
+from tfdist.callbacks.sync import MetricAverage
+from tfdist.callbacks.sync import SyncCheck
+from tfdist.callbacks.sync import SyncError
 from tfdist.callbacks.throughput import Throughput
 
 __all__ = [

@@ -20,7 +20,9 @@ def _check_steps(value) -> int:
 
 def _check_factor(name, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"Invalid value for argument `{name}`. Received: {name}={value!r}. Expected a positive number.")
+        raise ValueError(
+            f"Invalid value for argument `{name}`. Received: {name}={value!r}. Expected a positive number."
+        )
     return float(value)
 
 
@@ -53,7 +55,7 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
     >>> decay = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=100, decay_rate=0.5)
     >>> lr = tfdist.callbacks.WarmupSchedule(decay, warmup_steps=10, scale=4)
     >>> round(float(lr(0)), 4), round(float(lr(5)), 4), round(float(lr(10)), 4)
-    (0.1, 0.2483, 0.3864)
+    (0.1, 0.2415, 0.3732)
     >>> optimizer = keras.optimizers.SGD(learning_rate=lr)
     """
 
@@ -73,7 +75,12 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         base = self.base
         if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
             base = keras.saving.serialize_keras_object(base)
-        return {"base": base, "warmup_steps": self.warmup_steps, "scale": self.scale, "initial_scale": self.initial_scale}
+        return {
+            "base": base,
+            "warmup_steps": self.warmup_steps,
+            "scale": self.scale,
+            "initial_scale": self.initial_scale,
+        }
 
     @classmethod
     def from_config(cls, config):

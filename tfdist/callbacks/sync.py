@@ -42,7 +42,9 @@ def _components(strategy, variable):
             groups.setdefault(key, []).append((f"device {device}", part.numpy()))
         return list(groups.values())
     local = strategy.experimental_local_results(value)
-    return [[(getattr(c, "device", f"replica {i}") or f"replica {i}", np.asarray(c.numpy())) for i, c in enumerate(local)]]
+    return [
+        [(getattr(c, "device", f"replica {i}") or f"replica {i}", np.asarray(c.numpy())) for i, c in enumerate(local)]
+    ]
 
 
 class SyncCheck(keras.callbacks.Callback):
