@@ -73,16 +73,9 @@ def worker(mode: str, out: str, steps: int, global_batch: int, width: int, depth
     rng = np.random.default_rng(0)
     x = rng.normal(size=(steps * global_batch, width)).astype("float32")
     y = rng.integers(0, 10, size=(steps * global_batch,)).astype("int32")
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        layers = [keras.Input((width,))]
-        layers += [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
-        layers += [keras.layers.Dense(10)]
-        model = keras.Sequential(layers)
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.01),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
+    from benchmarks._models import mlp
+
+    model = mlp(strategy, width=width, depth=depth)
     ends = []
 
     class Clock(keras.callbacks.Callback):

@@ -17,21 +17,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-
-def build(strategy, width, depth, seed=0):
-    import keras
-
-    keras.utils.set_random_seed(seed)
-    with strategy.scope():
-        layers = [keras.Input((width,))]
-        layers += [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
-        layers += [keras.layers.Dense(10)]
-        model = keras.Sequential(layers)
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.01),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-    return model
+from benchmarks._models import mlp  # noqa: E402
 
 
 def time_steps(model, dataset, steps):
@@ -68,7 +54,7 @@ def main(argv=None):
     x = rng.normal(size=(n, args.width)).astype("float32")
     y = rng.integers(0, 10, size=(n,)).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch_size).repeat().prefetch(2)
-    models = {name: build(s, args.width, args.depth) for name, s in strategies.items()}
+    models = {name: mlp(s, width=args.width, depth=args.depth) for name, s in strategies.items()}
     for model in models.values():  # trace and warm up
         time_steps(model, dataset, 5)
 

@@ -637,20 +637,29 @@ _MODEL_PARALLEL_HOOKS = (
 _HOOKS = _HOOKS + _MODEL_PARALLEL_HOOKS
 
 
+def _patched(patches) -> bool:
+    return all(getattr(owner, attribute) is hook for owner, attribute, hook in patches)
+
+
+def _install_patches(hooks, patches) -> None:
+    """Checks `hooks`' probes, then applies `patches` (owner, attribute, replacement); idempotent."""
+    with _install_lock:
+        if not _patched(patches):
+            for name, target, needles in hooks:
+                _require(name, target, *needles)
+            for owner, attribute, hook in patches:
+                setattr(owner, attribute, hook)
+
+
 def install_model_parallel() -> None:
     """Installs the hooks ModelParallelStrategy needs, after the common ones (idempotent)."""
     install()
-    with _install_lock:
-        if not model_parallel_installed():
-            for name, target, needles in _MODEL_PARALLEL_HOOKS:
-                _require(name, target, *needles)
-            for owner, attribute, hook in _MODEL_PARALLEL_PATCHES:
-                setattr(owner, attribute, hook)
+    _install_patches(_MODEL_PARALLEL_HOOKS, _MODEL_PARALLEL_PATCHES)
 
 
 def model_parallel_installed() -> bool:
     """True once `install_model_parallel()` has patched Keras."""
-    return all(getattr(owner, attribute) is hook for owner, attribute, hook in _MODEL_PARALLEL_PATCHES)
+    return _patched(_MODEL_PARALLEL_PATCHES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -750,17 +759,12 @@ _CALLBACK_HOOKS = (
 
 def install_callbacks() -> None:
     """Installs the iterator-counting hook BackupAndRestore needs (idempotent; it only counts)."""
-    with _install_lock:
-        if not callbacks_installed():
-            for name, target, needles in _CALLBACK_HOOKS:
-                _require(name, target, *needles)
-            for owner, attribute, hook in _CALLBACK_PATCHES:
-                setattr(owner, attribute, hook)
+    _install_patches(_CALLBACK_HOOKS, _CALLBACK_PATCHES)
 
 
 def callbacks_installed() -> bool:
     """True once `install_callbacks()` has patched Keras."""
-    return all(getattr(owner, attribute) is hook for owner, attribute, hook in _CALLBACK_PATCHES)
+    return _patched(_CALLBACK_PATCHES)
 
 
 _HOOKS = _HOOKS + _CALLBACK_HOOKS
