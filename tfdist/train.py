@@ -24,7 +24,6 @@ import math  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from typing import NoReturn  # noqa: E402
 
 
@@ -62,6 +61,7 @@ with _native_stderr_silenced():
     from absl import app
     from absl import flags
 
+    from tfdist import callbacks as tfdist_callbacks
     from tfdist import data as data_lib
     from tfdist import flags as tfdist_flags
     from tfdist import models
@@ -83,36 +83,6 @@ def _fail(message: str) -> NoReturn:
     """Ends the binary with a one-line error (no traceback) and exit status 2."""
     print(f"tfdist-train: error: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-class _Throughput(keras.callbacks.Callback):
-    """Measures training tokens per second over every step but the first (which compiles)."""
-
-    def __init__(self, *, tokens_per_example: int, examples_in_step):
-        super().__init__()
-        self._tokens_per_example = tokens_per_example
-        self._examples_in_step = examples_in_step
-        self._first_done = False
-        self._start = 0.0
-        self.tokens = 0
-        self.seconds = 0.0
-        self.steps = 0
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        elapsed = time.perf_counter() - self._start
-        if not self._first_done:
-            self._first_done = True
-            return
-        self.seconds += elapsed
-        self.steps += 1
-        self.tokens += self._tokens_per_example * self._examples_in_step(batch)
-
-    @property
-    def tokens_per_second(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds else None
 
 
 def _learning_rate(peak: float, total_steps: int) -> keras.optimizers.schedules.LearningRateSchedule:
@@ -187,12 +157,7 @@ def main(argv: list[str]) -> int:
         _fail(f"--corpus / --seq_len: {e}")
     train_windows, heldout_windows = data_lib.window_counts(len(corpus), seq_len=FLAGS.seq_len)
     batch = FLAGS.global_batch_size
-    if FLAGS.steps:
-        steps_per_epoch = FLAGS.steps
-        examples_in_step = lambda step: batch
-    else:
-        steps_per_epoch = math.ceil(train_windows / batch)
-        examples_in_step = lambda step: min(batch, train_windows - step * batch)
+    steps_per_epoch = FLAGS.steps or math.ceil(train_windows / batch)
 
     keras.utils.set_random_seed(FLAGS.seed)
     with strategy.scope():
@@ -213,7 +178,10 @@ def main(argv: list[str]) -> int:
         )
 
     untrained = model.evaluate(heldout_ds, verbose=0, return_dict=True)["loss"]
-    throughput = _Throughput(tokens_per_example=FLAGS.seq_len, examples_in_step=examples_in_step)
+    # Tokens/s over every step but the first (which traces and compiles), in the logs and TensorBoard.
+    throughput = tfdist_callbacks.Throughput(
+        batch_size=batch, tokens_per_example=FLAGS.seq_len, skip_steps=1, log_dir=os.path.join(log_dir, "throughput")
+    )
     checkpoint_pattern = os.path.join(checkpoint_dir, "epoch_{epoch:03d}.keras")
     history = model.fit(
         train_ds,
@@ -230,7 +198,7 @@ def main(argv: list[str]) -> int:
     )
     trained = history.history["val_loss"][-1]
 
-    rate = throughput.tokens_per_second
+    rate = history.history.get("tokens_per_sec", [None])[-1]
     _print_summary(
         [
             ("strategy", f"{type(strategy).__name__} ({FLAGS.strategy}), {replicas} replica(s)"),
@@ -253,7 +221,7 @@ def main(argv: list[str]) -> int:
             ),
             (
                 "tokens/s",
-                f"{rate:,.0f} (over {throughput.steps} steps, the first compiling step excluded)"
+                f"{rate:,.0f} (mean over the last epoch; the run's first, compiling step left out)"
                 if rate
                 else "n/a (only the first, compiling step ran)",
             ),
