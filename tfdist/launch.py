@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from tfdist import _validate
 from tfdist import cluster as cluster_lib
 
 HOST = "127.0.0.1"
@@ -116,17 +117,9 @@ class Launcher:
                 f"Invalid value for argument `command`. Received: command={command!r}. Expected a "
                 "non-empty list such as ['python', 'train.py']."
             )
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(
-                f"Invalid value for argument `num_workers`. Received: num_workers={num_workers!r}. "
-                "Expected an integer >= 1."
-            )
-        for name, value in (("join_timeout", join_timeout), ("grace", grace)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(
-                    f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
-                    "Expected a positive number of seconds."
-                )
+        _validate.integer("num_workers", num_workers)
+        _validate.positive_number("join_timeout", join_timeout, unit="seconds")
+        _validate.positive_number("grace", grace, unit="seconds")
         self.command = list(command)
         self.num_workers = num_workers
         self.join_timeout = float(join_timeout)

@@ -21,15 +21,13 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from tfdist import _validate
+
 _INIT_STDDEV = 0.02
 
 
 def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"Invalid value for argument `{name}` of transformer_lm(). Received: {name}={value!r}. "
-            "Expected a positive integer."
-        )
+    _validate.integer(name, value, where=" of transformer_lm()")
 
 
 @keras.saving.register_keras_serializable(package="tfdist")

@@ -14,6 +14,7 @@ import warnings
 import keras
 import numpy as np
 
+from tfdist import _validate
 from tfdist.callbacks import _state
 from tfdist.callbacks._state import CheckpointCorruptWarning
 from tfdist.callbacks._state import CheckpointMismatchError
@@ -155,16 +156,11 @@ class Checkpoint(keras.callbacks.Callback):
         prefix: str = "ckpt",
     ):
         super().__init__()
-        for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(
-                    f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
-                    "Expected a positive integer or None."
-                )
+        _validate.integer("every_n_steps", every_n_steps, allow_none=True)
+        _validate.integer("every_n_epochs", every_n_epochs, allow_none=True)
         if every_n_steps is None and every_n_epochs is None:
             raise ValueError("`every_n_steps` and `every_n_epochs` are both None: pass at least one of them.")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"Invalid value for argument `keep`. Received: keep={keep!r}. Expected an integer >= 1.")
+        _validate.integer("keep", keep)
         if mode not in _MODES:
             raise ValueError(f"Invalid value for argument `mode`. Received: mode={mode!r}. Expected one of {_MODES}.")
         if monitor is not None and (not isinstance(monitor, str) or not monitor):

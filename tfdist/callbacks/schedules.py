@@ -5,25 +5,18 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from tfdist import _validate
 from tfdist.callbacks import _state
 
 __all__ = ["LearningRateWarmup", "WarmupSchedule"]
 
 
 def _check_steps(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"Invalid value for argument `warmup_steps`. Received: warmup_steps={value!r}. Expected an integer >= 1."
-        )
-    return value
+    return _validate.integer("warmup_steps", value)
 
 
 def _check_factor(name, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(
-            f"Invalid value for argument `{name}`. Received: {name}={value!r}. Expected a positive number."
-        )
-    return float(value)
+    return _validate.positive_number(name, value)
 
 
 def _warmup_factor(step, warmup_steps: int, scale: float, initial_scale: float):

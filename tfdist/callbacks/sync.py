@@ -8,6 +8,7 @@ import zlib
 import keras
 import numpy as np
 
+from tfdist import _validate
 from tfdist.callbacks import _state
 
 __all__ = ["MetricAverage", "SyncCheck", "SyncError"]
@@ -77,11 +78,7 @@ class SyncCheck(keras.callbacks.Callback):
 
     def __init__(self, *, every_n_steps: int = 100, check_finite: bool = True):
         super().__init__()
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(
-                f"Invalid value for argument `every_n_steps`. Received: every_n_steps={every_n_steps!r}. "
-                "Expected a positive integer."
-            )
+        _validate.integer("every_n_steps", every_n_steps)
         self.every_n_steps = every_n_steps
         self.check_finite = check_finite
         self.checks = 0

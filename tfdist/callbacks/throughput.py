@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import _validate
 from tfdist.callbacks import _state
 
 __all__ = ["Throughput"]
@@ -77,18 +78,8 @@ class Throughput(keras.callbacks.Callback):
             ("baseline_examples_per_sec", baseline_examples_per_sec, True),
             ("replicas", replicas, True),
         ):
-            if value is None and optional:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(
-                    f"Invalid value for argument `{name}`. Received: {name}={value!r}. Expected a positive number"
-                    + (" or None." if optional else ".")
-                )
-        if isinstance(skip_steps, bool) or not isinstance(skip_steps, int) or skip_steps < 0:
-            raise ValueError(
-                f"Invalid value for argument `skip_steps`. Received: skip_steps={skip_steps!r}. "
-                "Expected an integer >= 0."
-            )
+            _validate.positive_number(name, value, allow_none=optional)
+        _validate.integer("skip_steps", skip_steps, minimum=0)
         self.batch_size = batch_size
         self.tokens_per_example = tokens_per_example
         self.baseline_examples_per_sec = baseline_examples_per_sec

@@ -15,6 +15,7 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.eager import context
 
+from tfdist import _validate
 from tfdist import cluster as cluster_lib
 from tfdist.strategies import _keras_compat
 
@@ -44,12 +45,7 @@ _JOIN_GRACE = 10.0
 
 
 def _positive(name: str, value, *, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        expected = "a positive number of seconds" + (" or None" if allow_none else "")
-        raise ValueError(f"Invalid value for argument `{name}`. Received: {name}={value!r}. Expected {expected}.")
-    return float(value)
+    return _validate.positive_number(name, value, allow_none=allow_none, unit="seconds")
 
 
 class DataShardingWarning(UserWarning):
