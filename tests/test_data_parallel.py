@@ -159,6 +159,19 @@ def test_ring_communication_matches_single_device():
     assert_weights_close(ref, dist, SGD_ATOL)
 
 
+@pytest.mark.parametrize("gradient_dtype,atol", [("bfloat16", 5e-3), ("float16", 2e-4)])
+def test_compressed_all_reduce_stays_close_to_float32(gradient_dtype, atol):
+    """Gradients all-reduced in 16 bits: weights within `atol` of the float32 all-reduce after 6 SGD steps."""
+    x, y = data(48)
+    exact = tfdist.DataParallelStrategy(devices=DEVICES)
+    narrow = tfdist.DataParallelStrategy(devices=DEVICES, gradient_dtype=gradient_dtype)
+    assert f"gradient_dtype={gradient_dtype!r}" in repr(narrow)
+    _, _, ref, _ = train_both(sgd, x, y, batch_size=16, strategy=exact)
+    _, _, dist, _ = train_both(sgd, x, y, batch_size=16, strategy=narrow)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(ref.get_weights(), dist.get_weights()))
+    assert 0 < diff < atol, diff  # rounded on the wire (not exact), but close
+
+
 def test_model_checkpoint_and_keras_save_load(tmp_path):
     x, y = data(42)
     strategy = tfdist.DataParallelStrategy(devices=DEVICES)
@@ -204,6 +217,7 @@ def test_strategy_is_a_mirrored_strategy_with_defaults():
         ({"devices": ["CPU:1", "/cpu:1"]}, r"repeated: \['/device:CPU:1'\]"),
         ({"devices": []}, r"Received: devices=\[\]"),
         ({"devices": "CPU:0"}, r"Received: devices='CPU:0'"),
+        ({"gradient_dtype": "float8"}, r"gradient_dtype='float8'.*\(None, 'bfloat16', 'float16'\)"),
     ],
 )
 def test_bad_arguments_name_the_problem(kwargs, message):

@@ -282,11 +282,24 @@ class ExactReplicaMixin:
             return False
         return super()._use_merge_call()
 
+    # A tf.DType that float gradients wider than it are all-reduced in (the strategy's
+    # `gradient_dtype`); None sends each gradient in its own dtype.
+    _tfdist_gradient_dtype = None
+
     def _tfdist_all_reduce_gradients(self, grads):
-        """All-reduces (sums) the per-replica gradients; runs in replica context."""
+        """All-reduces (sums) the per-replica gradients; runs in replica context.
+
+        With `_tfdist_gradient_dtype` set, wider float gradients travel in it and are cast back.
+        """
         if not grads:
             return []
-        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+        wire = self._tfdist_gradient_dtype
+        if wire is not None:
+            sent = [tf.cast(g, wire) if g.dtype.is_floating and g.dtype.size > wire.size else g for g in grads]
+        else:
+            sent = grads
+        reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sent)
+        return [r if r.dtype == g.dtype else tf.cast(r, g.dtype) for r, g in zip(reduced, grads)]
 
     def _tfdist_global_count(self, local_count):
         """Examples in this step over all workers, given this worker's count."""

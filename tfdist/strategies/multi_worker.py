@@ -18,10 +18,11 @@ from tensorflow.python.eager import context
 from tfdist import _validate
 from tfdist import cluster as cluster_lib
 from tfdist.strategies import _keras_compat
+from tfdist.strategies import data_parallel
 
 COMMUNICATION_CHOICES = ("auto", "ring", "nccl")
 SHARDING_CHOICES = ("auto", "file", "data", "off")
-GRADIENT_DTYPES = (None, "bfloat16", "float16")
+GRADIENT_DTYPES = data_parallel.GRADIENT_DTYPES
 _SHARD_POLICIES = {
     "file": tf.data.experimental.AutoShardPolicy.FILE,
     "data": tf.data.experimental.AutoShardPolicy.DATA,
@@ -92,16 +93,6 @@ class _MultiWorkerExtended(_keras_compat.ExactReplicaMixin, collective_lib.Colle
     """CollectiveAllReduceExtended with tfdist's exact loss weighting across workers."""
 
     _tfdist_sharding = "auto"
-    _tfdist_gradient_dtype = None
-
-    def _tfdist_all_reduce_gradients(self, grads):
-        """Sums gradients over all replicas, sent in `gradient_dtype` when one is set."""
-        wire = self._tfdist_gradient_dtype
-        if wire is None:
-            return super()._tfdist_all_reduce_gradients(grads)
-        narrowed = [tf.cast(g, wire) if g.dtype.is_floating and g.dtype.size > wire.size else g for g in grads]
-        reduced = super()._tfdist_all_reduce_gradients(narrowed)
-        return [tf.cast(r, g.dtype) for r, g in zip(reduced, grads)]
 
     def _experimental_distribute_dataset(self, dataset, options):
         if self._num_workers > 1 and isinstance(dataset, tf.data.Dataset):
@@ -263,11 +254,7 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                 f"Invalid value for argument `sharding`. Received: sharding={sharding!r}. "
                 f"Expected one of {SHARDING_CHOICES}."
             )
-        if gradient_dtype not in GRADIENT_DTYPES:
-            raise ValueError(
-                f"Invalid value for argument `gradient_dtype`. Received: gradient_dtype={gradient_dtype!r}. "
-                f"Expected one of {GRADIENT_DTYPES}."
-            )
+        wire_dtype = data_parallel.wire_dtype(gradient_dtype)
         timeout = _positive("timeout", timeout, allow_none=True)
         heartbeat_timeout = _positive("heartbeat_timeout", heartbeat_timeout)
         if join_timeout is None:
@@ -297,7 +284,7 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         with _bounded_join(cluster, join_timeout):
             extended = _MultiWorkerExtended(self, cluster_resolver=resolver, communication_options=options)
         extended._tfdist_sharding = sharding
-        extended._tfdist_gradient_dtype = None if gradient_dtype is None else tf.as_dtype(gradient_dtype)
+        extended._tfdist_gradient_dtype = wire_dtype
         self._gradient_dtype = gradient_dtype
         distribute_lib.Strategy.__init__(self, extended)
 
