@@ -45,11 +45,13 @@ from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.losses import loss as keras_loss
 from keras.src.optimizers import base_optimizer as keras_base_optimizer
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.autograph.core import ag_ctx
 from tensorflow.python.autograph.impl import api as autograph
 from tensorflow.python.distribute import merge_call_interim
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values as tf_values
+from tensorflow.python.eager import backprop as tf_backprop
 from tensorflow.python.util import nest
 from tensorflow.python.util import tf_decorator
 
@@ -72,6 +74,12 @@ def versions_match() -> bool:
     )
 
 
+def _qualified_name(obj) -> str:
+    if inspect.ismodule(obj):
+        return obj.__name__
+    return f"{obj.__module__}.{obj.__qualname__}"
+
+
 def _require(hook: str, obj, *needles: str) -> None:
     """Raises CompatError unless the source of `obj` contains every needle."""
     try:
@@ -81,7 +89,7 @@ def _require(hook: str, obj, *needles: str) -> None:
     missing = [n for n in needles if n not in source]
     if missing:
         raise CompatError(
-            f"tfdist hook {hook!r} no longer applies: {obj.__module__}.{obj.__qualname__} does not "
+            f"tfdist hook {hook!r} no longer applies: {_qualified_name(obj)} does not "
             f"contain {missing}. tfdist was checked on TensorFlow {CHECKED_ON['tensorflow']} and "
             f"Keras {CHECKED_ON['keras']}; installed are TensorFlow {tf.__version__} and Keras "
             f"{keras.__version__}. Install the pinned versions (pip install -e .)."
@@ -150,6 +158,12 @@ def _as_mirrored(value):
 def _apply(self, grads, trainable_variables=None):
     replica_context = tf.distribute.get_replica_context()
     strategy = tf.distribute.get_strategy()
+    accumulate = getattr(strategy.extended, "_tfdist_accumulate_microbatch", None)
+    if replica_context is not None and accumulate is not None:
+        # A pipeline step: the gradients of all micro-batches are summed, then applied once.
+        grads = accumulate(list(grads))
+        if grads is None:
+            return None
     if (
         replica_context is None
         or not _is_exact_strategy(strategy)
@@ -209,6 +223,9 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
             "tfdist hook 'symbolic_build': the epoch iterator has no distributed dataset with an element "
             f"spec (checked on Keras {CHECKED_ON['keras']}, installed {keras.__version__})."
         )
+    check = getattr(strategy.extended, "_tfdist_check_global_batch", None)
+    if check is not None:
+        check(iterator.data_adapter.batch_size)
     with strategy.scope():
         self._symbolic_build(data_batch=data_batch)
 
@@ -314,9 +331,7 @@ class ExactReplicaMixin:
 
         @autograph.do_not_convert
         def weighted(replica_share, replica_padded, *a, **kw):
-            with _example_share(replica_share), _undo_metric_updates_if(replica_padded, model):
-                outputs = fn(*a, **kw)
-            return nest.map_structure(lambda t: _drop_padding(t, replica_padded), outputs)
+            return run_weighted(fn, replica_share, replica_padded, model, *a, **kw)
 
         return super()._call_for_each_replica(weighted, (shares, padded) + tuple(args), kwargs)
 
@@ -380,22 +395,43 @@ _KERAS_STEPS = ("train_step", "test_step", "predict_step")
 _KERAS_PREDICT_CLOSURE = "make_predict_function.<locals>.one_step_on_data"
 
 
-def _keras_step_model(fn):
-    """The Keras model when `fn` is (a wrapper of) its train/test/predict step, else None."""
+def keras_step(fn):
+    """`(model, kind)` when `fn` is (a wrapper of) a Keras model's step, else `(None, None)`.
+
+    `kind` is "train", "test" or "predict".
+    """
     _, target = tf_decorator.unwrap(fn)
     for _ in range(8):  # tf_convert and functools wrappers, a few deep
         owner = getattr(target, "__self__", None)
-        if isinstance(owner, keras.Model) and getattr(target, "__name__", "") in _KERAS_STEPS:
-            return owner
+        name = getattr(target, "__name__", "")
+        if isinstance(owner, keras.Model) and name in _KERAS_STEPS:
+            return owner, name[: -len("_step")]
         if getattr(target, "__qualname__", "").endswith(_KERAS_PREDICT_CLOSURE) and hasattr(target, "__code__"):
             cells = dict(zip(target.__code__.co_freevars, target.__closure__ or ()))
             owner = cells["self"].cell_contents if "self" in cells else None
             if isinstance(owner, keras.Model):  # else a wrapper carrying the same name
-                return owner
+                return owner, "predict"
         target = getattr(target, "__wrapped__", None)
         if target is None:
-            return None
-    return None
+            break
+    return None, None
+
+
+def _keras_step_model(fn):
+    """The Keras model when `fn` is (a wrapper of) its train/test/predict step, else None."""
+    return keras_step(fn)[0]
+
+
+def run_weighted(fn, share, padded, model, *args, **kwargs):
+    """Runs a Keras step on part of the global batch: its loss weighted by `share` (its examples /
+    the global batch's), and, when `padded` (a filler row standing in for no example), its metric
+    updates undone and its batch-sized outputs dropped. `padded=False` skips both."""
+    with _example_share(share):
+        if padded is False:
+            return fn(*args, **kwargs)
+        with _undo_metric_updates_if(padded, model):
+            outputs = fn(*args, **kwargs)
+    return nest.map_structure(lambda t: _drop_padding(t, padded), outputs)
 
 
 @contextlib.contextmanager
@@ -673,6 +709,120 @@ def install_model_parallel() -> None:
 def model_parallel_installed() -> bool:
     """True once `install_model_parallel()` has patched Keras."""
     return _patched(_MODEL_PARALLEL_PATCHES)
+
+
+# --------------------------------------------------------------------------------------------
+# pipeline (tfdist.PipelineStrategy). Checked on TensorFlow 2.21 / Keras 3.15.
+#
+# Hook 10: stage devices for layer calls. While a pipeline step runs on a thread, `Layer.__call__`
+# enters the device of the stage that owns the layer (a `tf.device` around Keras' own __call__), so
+# each stage's forward ops run where its weights live; sublayers inherit the scope.
+#
+# Hook 11: gradients next to their forward ops. `tf.GradientTape` builds each gradient op in the
+# device scope of the `tape.gradient` call, so every backward op would land on one device. TF has
+# `colocate_gradients_with_ops` for `tf.gradients` only; for tapes, tfdist re-registers the eager
+# gradient function with a wrapper that, during a pipeline step, enters the forward op's device.
+# Both hooks read a thread-local set only by PipelineStrategy's step; elsewhere they are no-ops.
+# (The micro-batch gradient sum lives in Hook 2, `_apply`.)
+# --------------------------------------------------------------------------------------------
+_pipeline_state = threading.local()
+_keras_layer = keras.src.layers.layer.Layer
+_original_layer_call = _keras_layer.__call__
+_original_gradient_function = tf_backprop._gradient_function
+
+
+@contextlib.contextmanager
+def stage_devices(devices):
+    """While active on this thread, layer `id -> device` placement and gradient colocation apply."""
+    previous = getattr(_pipeline_state, "devices", None)
+    _pipeline_state.devices = devices
+    try:
+        yield
+    finally:
+        _pipeline_state.devices = previous
+
+
+def _layer_call(self, *args, **kwargs):
+    devices = getattr(_pipeline_state, "devices", None)
+    device = devices.get(id(self)) if devices else None
+    if device is None:
+        return _original_layer_call(self, *args, **kwargs)
+    with tf.device(device):
+        return _original_layer_call(self, *args, **kwargs)
+
+
+def _forward_device(tensors) -> str:
+    for t in tensors or ():
+        device = getattr(t, "device", "") if isinstance(t, tf.Tensor) and not tf.executing_eagerly() else ""
+        if device:
+            return device
+    return ""
+
+
+def _colocated_gradient_function(
+    op_name, attr_tuple, num_inputs, inputs, outputs, out_grads, skip_input_indices, forward_pass_name_scope
+):
+    args = (op_name, attr_tuple, num_inputs, inputs, outputs, out_grads, skip_input_indices, forward_pass_name_scope)
+    device = ""
+    if getattr(_pipeline_state, "devices", None):
+        device = _forward_device(outputs) or _forward_device(inputs)
+    if not device:
+        return _original_gradient_function(*args)
+    with tf.device(device):
+        return _original_gradient_function(*args)
+
+
+def rekey_optimizer(optimizer) -> None:
+    """Re-indexes a built optimizer's variables after their tf.Variables were replaced.
+
+    Keras keys each trainable variable by its tf.Variable (`_var_key`); PipelineStrategy moves a
+    variable to its stage by giving the Keras variable a new tf.Variable.
+    """
+    optimizer._trainable_variables_indices = {
+        optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)
+    }
+
+
+_PIPELINE_PATCHES = (
+    (_keras_tf_variable, "_initialize", _variable_initialize),
+    (_keras_layer, "__call__", _layer_call),
+    (tf_backprop, "_gradient_function", _colocated_gradient_function),
+)
+_PIPELINE_HOOKS = (
+    ("variable_path", _original_variable_initialize, ("tf.Variable(", "name=self.name")),
+    ("layer_call", _original_layer_call, ("def __call__(self, *args, **kwargs):", "super().__call__(")),
+    (
+        "gradient_function",
+        _original_gradient_function,
+        ("mock_op = _MockOp(", "return grad_fn(mock_op, *out_grads)"),
+    ),
+    ("gradient_registration", tf_backprop, ("TFE_Py_RegisterGradientFunction(_gradient_function)",)),
+    (
+        "optimizer_variable_keys",
+        keras_base_optimizer.BaseOptimizer.build,
+        ("self._trainable_variables_indices[self._var_key(variable)] = i",),
+    ),
+    ("optimizer_tf_variable_key", keras_tf_optimizer.TFOptimizer._var_key, ("variable = variable.value",)),
+    ("epoch_iterator_adapter", keras_tf_trainer.TFEpochIterator.__init__, ("self.data_adapter.get_tf_dataset()",)),
+    ("batch_size_property", keras.src.trainers.data_adapters.data_adapter.DataAdapter, ("def batch_size(self)",)),
+    ("pipeline_variable_creator", mirrored_strategy.MirroredExtended._create_variable, ("colocate_with._devices",)),
+)
+_HOOKS = _HOOKS + _PIPELINE_HOOKS
+
+
+def install_pipeline() -> None:
+    """Installs the hooks PipelineStrategy needs, after the common ones (idempotent)."""
+    install()
+    with _install_lock:
+        registered = _patched(_PIPELINE_PATCHES)
+    _install_patches(_PIPELINE_HOOKS, _PIPELINE_PATCHES)
+    if not registered:
+        pywrap_tfe.TFE_Py_RegisterGradientFunction(_colocated_gradient_function)
+
+
+def pipeline_installed() -> bool:
+    """True once `install_pipeline()` has patched Keras and TensorFlow."""
+    return _patched(_PIPELINE_PATCHES)
 
 
 # --------------------------------------------------------------------------------------------
