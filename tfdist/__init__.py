@@ -21,6 +21,8 @@ _PUBLIC = {
     "DataParallelStrategy": "tfdist.strategies.data_parallel",
     "MultiWorkerStrategy": "tfdist.strategies.multi_worker",
     "ModelParallelStrategy": "tfdist.strategies.model_parallel",
+    "PipelineStrategy": "tfdist.strategies.pipeline",
+    "advise": "tfdist.advisor",
 }
 _SUBMODULES = ("callbacks", "cluster", "data", "devices", "layouts", "models", "placement")
 

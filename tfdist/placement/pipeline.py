@@ -413,13 +413,15 @@ def layer_seconds(model, layer, batch_size: int, rounds: int = 3) -> float:
             tape.watch(inputs)
             out = layer(*args, **kwargs, **({"training": True} if _has_training_arg(layer) else {}))
             total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in tf.nest.flatten(out)])
-        return tape.gradient(total, list(layer.trainable_weights) + inputs)
+        grads = tape.gradient(total, list(layer.trainable_weights) + inputs)
+        dense = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+        return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in dense]) if dense else total
 
     step()
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
-        tf.nest.map_structure(lambda t: t.numpy() if t is not None else None, step())
+        step().numpy()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import threading
 
 import keras
@@ -751,11 +752,24 @@ def _layer_call(self, *args, **kwargs):
         return _original_layer_call(self, *args, **kwargs)
 
 
-def _forward_device(tensors) -> str:
-    for t in tensors or ():
-        device = getattr(t, "device", "") if isinstance(t, tf.Tensor) and not tf.executing_eagerly() else ""
-        if device:
-            return device
+def _graph_tensors(tensors):
+    return [t for t in tensors or () if isinstance(t, tf.Tensor) and hasattr(t, "op")]
+
+
+def _forward_device(op_name, inputs, outputs) -> str:
+    """The device of the forward op being differentiated, found from its outputs or inputs.
+
+    The tape hands over an op's outputs only when its gradient needs them (not for MatMul); then the
+    op is the consumer of its inputs with the same type and the same input tensors.
+    """
+    for t in _graph_tensors(outputs):
+        return t.op.device
+    inputs = list(inputs or ())
+    for t in _graph_tensors(inputs):
+        for op in t.consumers():
+            if op.type == op_name and len(op.inputs) == len(inputs):
+                if all(b is None or a is b for a, b in zip(op.inputs, inputs)):
+                    return op.device
     return ""
 
 
@@ -765,7 +779,7 @@ def _colocated_gradient_function(
     args = (op_name, attr_tuple, num_inputs, inputs, outputs, out_grads, skip_input_indices, forward_pass_name_scope)
     device = ""
     if getattr(_pipeline_state, "devices", None):
-        device = _forward_device(outputs) or _forward_device(inputs)
+        device = _forward_device(op_name, inputs, outputs)
     if not device:
         return _original_gradient_function(*args)
     with tf.device(device):
@@ -810,9 +824,27 @@ _PIPELINE_HOOKS = (
 _HOOKS = _HOOKS + _PIPELINE_HOOKS
 
 
+class _DropMessage(logging.Filter):
+    """Drops one TensorFlow log message that is expected, and only noise, under a pipeline."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record):
+        return self.text not in record.getMessage()
+
+
+# A pipeline's gradients live on their stages' devices, so TensorFlow's batched all-reduce, which
+# needs one destination device set, falls back to one all-reduce per gradient and says so.
+_PIPELINE_LOG_FILTER = _DropMessage("is not supported if destinations are different")
+
+
 def install_pipeline() -> None:
     """Installs the hooks PipelineStrategy needs, after the common ones (idempotent)."""
     install()
+    if _PIPELINE_LOG_FILTER not in tf.get_logger().filters:
+        tf.get_logger().addFilter(_PIPELINE_LOG_FILTER)
     with _install_lock:
         registered = _patched(_PIPELINE_PATCHES)
     _install_patches(_PIPELINE_HOOKS, _PIPELINE_PATCHES)

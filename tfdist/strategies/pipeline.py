@@ -33,6 +33,12 @@ def _add(a, b):
         return b
     if b is None:
         return a
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        # Stay sparse: optimizers update only the rows a sparse gradient touches (Keras' Adam does),
+        # so a densified sum would train differently from one device's whole-batch gradient.
+        return tf.IndexedSlices(
+            tf.concat([a.values, b.values], axis=0), tf.concat([a.indices, b.indices], axis=0), a.dense_shape
+        )
     if isinstance(a, tf.IndexedSlices) or isinstance(b, tf.IndexedSlices):
         return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
     return a + b

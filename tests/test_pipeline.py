@@ -1,0 +1,408 @@
+"""PipelineStrategy: stages on their devices, micro-batches, balancer, hybrid; equal to one device.
+
+Every training comparison fits the same model (same seed, data order, global batch) once without
+a strategy and once under PipelineStrategy on logical CPUs of the pytest process, then compares
+weights (SGD atol 1e-5, Adam atol 1e-4), per-epoch loss and metrics (rtol 1e-5), evaluate and
+predict (atol 1e-5): micro-batch gradients summed in another order than one device's differ
+by float32 rounding only.
+"""
+
+import collections
+import itertools
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tfdist.placement import pipeline as pipeline_lib
+
+SGD_ATOL = 1e-5
+ADAM_ATOL = 1e-4
+RTOL = 1e-5
+OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(1e-2)}
+
+
+def mlp6(optimizer="sgd", widths=(32,) * 5, name="mlp6"):
+    """Six Dense layers, d0..d5."""
+    keras.utils.set_random_seed(3)
+    layers = [keras.layers.Dense(w, activation="tanh", name=f"d{i}") for i, w in enumerate(widths)]
+    model = keras.Sequential([keras.Input((16,)), *layers, keras.layers.Dense(3, name="d5")], name=name)
+    model.compile(
+        optimizer=OPTIMIZERS[optimizer](),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def mlp_data(n=40, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 16)).astype("float32"), rng.integers(0, 3, size=(n,)).astype("int32")
+
+
+def lm(optimizer="adam"):
+    keras.utils.set_random_seed(5)
+    model = tfdist.models.transformer_lm(seq_len=16, vocab_size=64, d_model=32, num_heads=2, num_layers=2)
+    model.compile(
+        optimizer=OPTIMIZERS[optimizer](), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    return model
+
+
+def lm_data(n=32, seed=1):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 64, size=(n, 17)).astype("int32")
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def compare(build, x, y, strategy, *, atol, batch_size=8, epochs=2):
+    fit = {"batch_size": batch_size, "epochs": epochs, "shuffle": False, "verbose": 0}
+    ref = build()
+    ref_hist = ref.fit(x, y, **fit).history
+    with strategy.scope():
+        model = build()
+    hist = model.fit(x, y, **fit).history
+    for a, b in zip(ref.weights, model.weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), atol=atol, rtol=0, err_msg=a.path)
+    for key in ref_hist:
+        np.testing.assert_allclose(hist[key], ref_hist[key], rtol=RTOL, err_msg=key)
+    np.testing.assert_allclose(
+        model.evaluate(x, y, batch_size=batch_size, verbose=0),
+        ref.evaluate(x, y, batch_size=batch_size, verbose=0),
+        rtol=RTOL,
+    )
+    np.testing.assert_allclose(
+        model.predict(x, batch_size=batch_size, verbose=0), ref.predict(x, batch_size=batch_size, verbose=0), atol=1e-5
+    )
+    return ref, model
+
+
+def devices_of(variable):
+    value = variable.value
+    return {v.device.split("device:")[-1] for v in getattr(value, "values", [value])}
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_mlp_matches_one_device(stages, optimizer):
+    x, y = mlp_data()
+    strategy = tfdist.PipelineStrategy(stages=stages, microbatches=4)
+    _, model = compare(
+        lambda: mlp6(optimizer), x, y, strategy, atol=SGD_ATOL if optimizer == "sgd" else ADAM_ATOL
+    )
+    plan = strategy.plan
+    assert plan.stages == stages and sum(len(s) for s in plan.layers) == 6
+    # Each layer's weights and their optimizer slots live on the layer's stage device.
+    for layer in model.layers:
+        device = strategy.stage_devices[plan.stage_of(layer.name)][0].split("device:")[-1]
+        for weight in layer.weights:
+            assert devices_of(weight) == {device}, weight.path
+            if optimizer == "adam":  # its slots too
+                index = model.optimizer._get_variable_index(weight)
+                assert devices_of(model.optimizer._momentums[index]) == {device}, weight.path
+                assert devices_of(model.optimizer._velocities[index]) == {device}, weight.path
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_transformer_matches_one_device(stages):
+    x, y = lm_data()
+    strategy = tfdist.PipelineStrategy(stages=stages, microbatches=4)
+    compare(lm, x, y, strategy, atol=ADAM_ATOL, epochs=1)
+    assert strategy.plan.stages == stages
+    blocks = [strategy.plan.stage_of(f"block_{i}") for i in range(2)]
+    assert blocks == sorted(blocks)
+
+
+def test_hybrid_two_stages_two_replicas():
+    x, y = mlp_data()
+    strategy = tfdist.PipelineStrategy(stages=2, microbatches=2, replicas=2, devices=[f"CPU:{i}" for i in range(4)])
+    assert strategy.num_replicas_in_sync == 2
+    assert strategy.stage_devices == [["/device:CPU:0", "/device:CPU:2"], ["/device:CPU:1", "/device:CPU:3"]]
+    _, model = compare(lambda: mlp6("adam"), x, y, strategy, atol=ADAM_ATOL)
+    assert strategy.plan.stage_of("d0") == 0 and strategy.plan.stage_of("d5") == 1
+    assert devices_of(model.get_layer("d0").kernel) == {"CPU:0", "CPU:2"}
+    assert devices_of(model.get_layer("d5").kernel) == {"CPU:1", "CPU:3"}
+
+
+def test_uneven_final_batch_and_empty_microbatches():
+    # 42 examples in batches of 8: the last batch has 2 examples for 4 micro-batches (two are empty).
+    x, y = mlp_data(42)
+    compare(lambda: mlp6("sgd"), x, y, tfdist.PipelineStrategy(stages=2, microbatches=4), atol=SGD_ATOL)
+
+
+def test_explicit_placement_creates_weights_on_their_stage():
+    strategy = tfdist.PipelineStrategy(stages=2, microbatches=2, placement={"d[0-1]": 0, "d[2-5]": 1})
+    with strategy.scope():
+        model = mlp6()
+    # Placed as created, before any step.
+    assert devices_of(model.get_layer("d1").kernel) == {"CPU:0"}
+    assert devices_of(model.get_layer("d2").kernel) == {"CPU:1"}
+    x, y = mlp_data()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert strategy.plan.layers == (("d0", "d1"), ("d2", "d3", "d4", "d5"))
+    assert strategy.plan.cost == "explicit"
+
+
+def test_forward_and_gradient_ops_run_on_stage_devices():
+    strategy = tfdist.PipelineStrategy(stages=2, microbatches=2, placement={"d[0-2]": 0, "d[3-5]": 1})
+    with strategy.scope():
+        model = mlp6()
+    x, y = mlp_data(8)
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+    graph = (
+        tf.function(lambda d: strategy.run(model.train_step, args=(d,)))
+        .get_concrete_function(next(iter(dataset)))
+        .graph
+    )
+    matmuls = collections.Counter()
+    for op in graph.get_operations():
+        if op.type == "MatMul":
+            layer = next(p for p in op.name.split("/") if p.startswith("d") and p[1].isdigit())
+            kind = "backward" if "gradient_tape" in op.name else "forward"
+            matmuls[(kind, layer.split("_")[0], op.device.split("device:")[-1])] += 1
+    for i in range(6):
+        device = "CPU:0" if i < 3 else "CPU:1"
+        # 2 micro-batches: one forward matmul each; two backward matmuls each (input and kernel grads,
+        # the first layer has no input gradient).
+        assert matmuls[("forward", f"d{i}", device)] == 2, matmuls
+        assert matmuls[("backward", f"d{i}", device)] == (2 if i == 0 else 4), matmuls
+    assert sum(matmuls.values()) == 6 * 2 + 2 + 5 * 4, matmuls  # none elsewhere
+
+
+def test_callbacks_and_save_load_on_one_device(tmp_path):
+    x, y = mlp_data()
+    strategy = tfdist.PipelineStrategy(stages=2, microbatches=4)
+    with strategy.scope():
+        model = mlp6("adam")
+    path = str(tmp_path / "best.keras")
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(path, monitor="loss", save_best_only=True),
+        keras.callbacks.EarlyStopping(monitor="loss", patience=1),
+    ]
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=callbacks)
+    saved = str(tmp_path / "final.keras")
+    model.save(saved)
+    restored = keras.models.load_model(saved)  # no strategy: one device
+    np.testing.assert_allclose(restored.predict(x, verbose=0), model.predict(x, batch_size=8, verbose=0), atol=1e-6)
+    assert os.path.exists(path)
+    for a, b in zip(model.weights, restored.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_gradient_colocation_hook_is_still_needed():
+    # Plain tf.GradientTape builds backward ops in the device scope of `tape.gradient`, not next to
+    # their forward ops: without tfdist's hook every gradient matmul below would be unplaced.
+    with tf.device("CPU:1"):
+        w = tf.Variable(tf.ones((4, 4)))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            with tf.device("CPU:1"):
+                y = tf.matmul(x, w)
+            loss = tf.reduce_sum(y)
+        return tape.gradient(loss, w)
+
+    graph = step.get_concrete_function(tf.TensorSpec((2, 4))).graph
+    grads = [op for op in graph.get_operations() if op.type == "MatMul" and "gradient_tape" in op.name]
+    assert grads and all(op.device == "" for op in grads)
+
+
+# ------------------------------------------------------------------------------ balancer
+def unbalanced():
+    """Eight Dense layers; the first two hold half the parameters, so an equal number of layers per
+    stage (two) is far from equal parameters over 4 stages, while [d0], [d1], [d2-d4], [d5-d7] is even."""
+    keras.utils.set_random_seed(3)
+    widths = [100] + [32] * 7
+    layers = [keras.layers.Dense(w, activation="tanh", name=f"d{i}") for i, w in enumerate(widths)]
+    model = keras.Sequential([keras.Input((32,)), *layers], name="unbalanced")
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_balancer_fixes_an_unbalanced_model():
+    model = unbalanced()
+    naive = pipeline_lib.even_split(model, 4)
+    balanced = pipeline_lib.balance(model, 4, cost="params")
+    assert naive.imbalance >= 2.0, naive.report()
+    assert balanced.imbalance <= 1.25, balanced.report()
+    assert balanced.layers == (("d0",), ("d1",), ("d2", "d3", "d4"), ("d5", "d6", "d7"))
+    assert sum(balanced.params) == model.count_params()
+    report = balanced.report()
+    assert "| 0 | d0 | 3,300 |" in report and "max/mean stage cost 1.03" in report
+
+
+@pytest.mark.parametrize("cost", ["flops", "time"])
+def test_balancer_costs(cost):
+    model = unbalanced()
+    plan = pipeline_lib.balance(model, 4, cost=cost, batch_size=16, rounds=2)
+    assert plan.stages == 4 and all(plan.layers)
+    if cost == "flops":
+        # Dense(32 -> 100) on 16 rows: a 2*16*32*100 matmul plus the bias-add and tanh, elementwise.
+        assert plan.layer_costs["d0"] == 2 * 16 * 32 * 100 + 2 * 16 * 100
+        assert plan.layers == (("d0",), ("d1",), ("d2", "d3", "d4"), ("d5", "d6", "d7"))
+        assert plan.imbalance <= 1.25
+    else:
+        assert plan.seconds is not None and all(s > 0 for s in plan.seconds)
+        assert "ms per batch" in plan.report()
+
+
+def test_partition_minimizes_the_largest_stage():
+    assert pipeline_lib.partition([1, 1, 1, 1], 2) == [0, 0, 1, 1]
+    assert pipeline_lib.partition([10, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], 2) == [0] + [1] * 10
+    costs = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    for stages in (2, 3, 4):
+        assignment = pipeline_lib.partition(costs, stages)
+        best = min(
+            max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
+            for cuts in itertools.combinations(range(1, len(costs)), stages - 1)
+        )
+        sums = [sum(c for c, s in zip(costs, assignment) if s == k) for k in range(stages)]
+        assert max(sums) == best and assignment == sorted(assignment) and min(sums) > 0
+
+
+def test_strategy_auto_placement_balances():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 32)).astype("float32"), rng.integers(0, 32, size=(16,))
+    strategy = tfdist.PipelineStrategy(stages=4, microbatches=2)
+    with strategy.scope():
+        model = unbalanced()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert strategy.plan.imbalance <= 1.25
+    for layer, device in [("d0", "CPU:0"), ("d1", "CPU:1"), ("d4", "CPU:2"), ("d7", "CPU:3")]:
+        assert devices_of(model.get_layer(layer).kernel) == {device}, layer
+
+
+# ------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"stages": 0, "microbatches": 2}, "stages"),
+        ({"stages": 2, "microbatches": 0}, "microbatches"),
+        ({"stages": 9, "microbatches": 2}, "needs 9 devices"),
+        ({"stages": 2, "microbatches": 2, "devices": ["CPU:0"]}, "stages x replicas = 2 x 1 = 2"),
+        ({"stages": 2, "microbatches": 2, "devices": ["CPU:0", "CPU:0"]}, "repeated"),
+        ({"stages": 2, "microbatches": 2, "cost": "bytes"}, "Expected one of ('params', 'flops', 'time')"),
+        ({"stages": 2, "microbatches": 2, "placement": "even"}, "Expected 'auto'"),
+        ({"stages": 2, "microbatches": 2, "placement": {"d[": 0}}, "not a valid regular expression"),
+        ({"stages": 2, "microbatches": 2, "placement": {"d0": 2}}, "integer in [0, 2)"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        tfdist.PipelineStrategy(**kwargs)
+    assert message in str(e.value)
+
+
+def fit_error(strategy, build=mlp6, batch_size=8):
+    x, y = mlp_data()
+    with strategy.scope():
+        model = build()
+    with pytest.raises(ValueError) as e:
+        model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+    return str(e.value)
+
+
+def test_more_stages_than_layers():
+    small = lambda: mlp6(widths=(8,) * 5)  # noqa: E731
+    assert "stages=8 is more than the 6 top-level layers" in fit_error(
+        tfdist.PipelineStrategy(stages=8, microbatches=1), small
+    )
+
+
+def test_microbatches_not_dividing_the_global_batch():
+    message = fit_error(tfdist.PipelineStrategy(stages=2, microbatches=4), batch_size=10)
+    assert "microbatches=4 does not divide the global batch of 10" in message and "[1, 2, 5, 10]" in message
+
+
+def test_rule_matching_nothing():
+    message = fit_error(tfdist.PipelineStrategy(stages=2, microbatches=2, placement={"d[0-2]": 0, "dense_.*": 1}))
+    assert "'dense_.*' matches no layer" in message and "['d0', 'd1', 'd2', 'd3', 'd4', 'd5']" in message
+
+
+def test_rule_leaving_a_layer_unassigned():
+    message = fit_error(tfdist.PipelineStrategy(stages=2, microbatches=2, placement={"d[0-2]": 0, "d[3-4]": 1}))
+    assert "Layer 'd5'" in message and "matched by no placement rule" in message
+
+
+def skip_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    a = keras.layers.Dense(8, name="a")(inputs)
+    b = keras.layers.Dense(8, name="b")(a)
+    c = keras.layers.Add(name="c")([a, b])
+    out = keras.layers.Dense(3, name="out")(c)
+    model = keras.Model(inputs, out)
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_assignment_against_the_data_flow():
+    placement = {"a": 0, "b": 1, "c": 0, "out": 1}  # c reads b (stage 1) but sits on stage 0
+    message = fit_error(tfdist.PipelineStrategy(stages=2, microbatches=2, placement=placement), skip_model)
+    assert "Layer 'c' (stage 0) reads the output of layer 'b' (stage 1)" in message
+
+
+def test_weights_shared_across_stages():
+    def tied():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        shared = keras.layers.Dense(8, name="shared")
+        x = shared(inputs)
+        x = keras.layers.Dense(8, name="middle")(x)
+        x = shared(x)  # the same weights again, after a stage-1 layer
+        model = keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    class Tied(keras.layers.Layer):
+        """Multiplies by another layer's kernel: a weight owned by two layers."""
+
+        def __init__(self, source, **kwargs):
+            super().__init__(**kwargs)
+            self.source = source
+
+        def call(self, x):
+            return keras.ops.matmul(x, self.source.kernel)
+
+    def shared_weight():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        first = keras.layers.Dense(8, name="first")
+        x = keras.layers.Dense(8, name="middle")(first(inputs))
+        x = Tied(first, name="tied")(x)
+        model = keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 8)).astype("float32"), rng.integers(0, 3, size=(8,))
+    strategy = tfdist.PipelineStrategy(stages=2, microbatches=2, placement={"shared": 0, "middle": 1, "head": 1})
+    with strategy.scope():
+        model = tied()
+    with pytest.raises(ValueError, match="reads the output of layer 'middle'"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    model = shared_weight()
+    shared = "Weight 'first/kernel' of layer 'first' is shared by layers on stages \\[0, 1\\]"
+    with pytest.raises(ValueError, match=shared):
+        pipeline_lib.plan_explicit(model, {"first": 0, "middle": 0, "tied": 1, "head": 1}, 2)
+
+
+def test_docstring_examples_run(python_subprocess):
+    result = python_subprocess(
+        """
+        import doctest
+        import tfdist
+        tfdist.simulate_devices(2)
+        from tfdist.placement import pipeline as placement
+        from tfdist.strategies import pipeline as strategy
+        for module in (placement, strategy):
+            outcome = doctest.testmod(module)
+            assert outcome.attempted > 0 and outcome.failed == 0, (module.__name__, outcome)
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
