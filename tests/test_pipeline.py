@@ -248,6 +248,9 @@ def test_balancer_costs(cost):
     else:
         assert plan.seconds is not None and all(s > 0 for s in plan.seconds)
         assert "ms per batch" in plan.report()
+    # A functional model whose layers take `training` and several inputs (the transformer LM).
+    transformer = pipeline_lib.balance(lm(), 4, cost=cost, batch_size=2, rounds=1)
+    assert transformer.stages == 4 and transformer.stage_of("logits") == 3
 
 
 def test_partition_minimizes_the_largest_stage():

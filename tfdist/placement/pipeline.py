@@ -406,17 +406,19 @@ def layer_seconds(model, layer, batch_size: int, rounds: int = 3) -> float:
 
     args, kwargs = _sample_inputs(model, layer, batch_size)
     inputs = [t for t in tf.nest.flatten((args, kwargs)) if isinstance(t, tf.Tensor) and t.dtype.is_floating]
+    if _has_training_arg(layer):
+        kwargs = {**kwargs, "training": True}
 
-    @tf.function
     def step():
         with tf.GradientTape() as tape:
             tape.watch(inputs)
-            out = layer(*args, **kwargs, **({"training": True} if _has_training_arg(layer) else {}))
+            out = layer(*args, **kwargs)
             total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in tf.nest.flatten(out)])
         grads = tape.gradient(total, list(layer.trainable_weights) + inputs)
         dense = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
         return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in dense]) if dense else total
 
+    step = tf.function(step).get_concrete_function()  # one trace per layer, no retracing warnings
     step()
     times = []
     for _ in range(rounds):
