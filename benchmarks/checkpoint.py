@@ -39,12 +39,15 @@ def _raw_write(path: str, payload: bytes) -> None:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--quick", action="store_true", help="a 2048-wide MLP (34 MB of weights), 3 rounds")
+    parser.add_argument("--width", type=int, default=None, help="default 4096 (--quick 2048)")
     parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=None, help="default 5 (--quick 3)")
     parser.add_argument("--dir", default=None, help="where to write (default: a new temporary directory)")
     parser.add_argument("--no_write", action="store_true", help="print only; leave RESULTS.md alone")
     args = parser.parse_args(argv)
+    args.width = args.width or (2048 if args.quick else 4096)
+    args.rounds = args.rounds or (3 if args.quick else 5)
 
     import tfdist
 
@@ -132,6 +135,12 @@ def main(argv=None):
             "Checkpoint throughput",
             "python -m benchmarks.checkpoint " + " ".join(argv if argv is not None else sys.argv[1:]),
             body,
+            figures=[
+                _results.figure(
+                    f"checkpoint {op} MB/s / raw write MB/s", [w / t for t, w in zip(times[op], times["raw write"])]
+                )
+                for op in ("save", "restore")
+            ],
         )
     return rate
 

@@ -89,9 +89,10 @@ def run_jax(args, mesh) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 4 steps")
     parser.add_argument("--mesh", default="batch=2,model=4")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=None, help="default 5 (--quick 3)")
+    parser.add_argument("--steps", type=int, default=None, help="default 10 (--quick 4)")
     parser.add_argument("--global_batch_size", type=int, default=16)
     parser.add_argument("--seq_len", type=int, default=64)
     parser.add_argument("--vocab_size", type=int, default=512)
@@ -101,9 +102,12 @@ def main(argv=None):
     parser.add_argument("--jax_python", help="a Python with jax and the same Keras, for the JAX comparison")
     parser.add_argument("--write", action="store_true", help="write the section of benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
+    args.rounds = args.rounds or (3 if args.quick else 5)
+    args.steps = args.steps or (4 if args.quick else 10)
     mesh = parse_mesh(args.mesh)
 
     import tfdist
+    from benchmarks import _results
 
     tfdist.simulate_devices(math.prod(mesh.values()))
     import numpy as np
@@ -140,6 +144,10 @@ def main(argv=None):
         print(f"round {r}: one device {times['single'] * 1e3:.1f} ms/step, mesh {times['mesh'] * 1e3:.1f} ms/step")
 
     rows = []
+    figures = [
+        _results.figure(f"model-parallel bytes per device / ideal (mesh {mesh})", [per_device / ideal], goal="<= 1.05"),
+        _results.figure("model-parallel step time mesh / one device (simulated CPUs: overhead)", ratios),
+    ]
     if args.jax_python:
         jax = run_jax(args, mesh)
         tfdist_step, jax_step = statistics.median(mesh_times), statistics.median(jax["step_times"])
@@ -151,6 +159,11 @@ def main(argv=None):
             f"| bytes per device tfdist / JAX-Keras | {per_device / jax['bytes_device0']:.3f} |",
             f"| last loss JAX-Keras (same data; initial weights differ by backend RNG) | {jax['loss']:.5f} |",
             f"| variables placed differently tfdist vs JAX-Keras | {len(differ)} of {len(tfdist_specs)} {differ[:3]} |",
+        ]
+        figures += [
+            _results.figure("model-parallel step time tfdist / JAX-Keras ModelParallel",
+                            [t / statistics.median(jax["step_times"]) for t in mesh_times]),
+            _results.figure("model-parallel bytes per device tfdist / JAX-Keras", [per_device / jax["bytes_device0"]]),
         ]
     body = "\n".join(
         [
@@ -173,9 +186,8 @@ def main(argv=None):
     )
     print(body)
     if args.write:
-        from benchmarks import _results
-
-        _results.write_section("model_parallel", "python -m benchmarks.model_parallel --write", body)
+        command = "python -m benchmarks.model_parallel " + " ".join(argv if argv is not None else sys.argv[1:])
+        _results.write_section("model_parallel", command, body, figures=figures)
     return 0
 
 

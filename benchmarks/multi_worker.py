@@ -128,8 +128,9 @@ def run_mode(mode: str, args, tmp: str) -> list[dict]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 15 steps")
+    parser.add_argument("--rounds", type=int, default=None, help="default 3")
+    parser.add_argument("--steps", type=int, default=None, help="default 30 (--quick 15)")
     parser.add_argument("--global_batch", type=int, default=256)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=3)
@@ -137,6 +138,8 @@ def main(argv=None) -> None:
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.rounds = args.rounds or 3
+    args.steps = args.steps or (15 if args.quick else 30)
     if args.worker:
         worker(args.worker, args.out, args.steps, args.global_batch, args.width, args.depth)
         return
@@ -192,7 +195,20 @@ def main(argv=None) -> None:
     if not args.no_write:
         from benchmarks import _results
 
-        _results.write_section("multi_worker", f"python -m benchmarks.multi_worker --rounds {args.rounds}", body)
+        def ratios(mode, base, key):
+            return [a / b for a, b in zip(per_run(mode, key), per_run(base, key))]
+
+        _results.write_section(
+            "multi_worker",
+            f"python -m benchmarks.multi_worker --rounds {args.rounds} --steps {args.steps}",
+            body,
+            figures=[
+                _results.figure("multi-worker step time tfdist / raw MWMS", ratios("tfdist", "raw", "step_s")),
+                _results.figure("time to first step tfdist / raw MWMS", ratios("tfdist", "raw", "first_step_s")),
+                _results.figure("step time bfloat16 / float32 all-reduce (2 workers)",
+                                ratios("tfdist_bf16", "tfdist", "step_s")),
+            ],
+        )
 
 
 if __name__ == "__main__":
