@@ -106,7 +106,8 @@ class PipelinePlan:
             if self.seconds is not None:
                 row += f" {1e3 * self.seconds[s]:.2f} |"
             rows.append(row)
-        footer = f"\nBalanced on {self.cost}: max/mean stage cost {self.imbalance:.2f}."
+        how = "Placed by explicit rules; parameters" if self.cost == "explicit" else f"Balanced on {self.cost}"
+        footer = f"\n{how}: max/mean stage cost {self.imbalance:.2f}."
         return "\n".join([head, rule, *rows]) + footer
 
 
