@@ -1,0 +1,584 @@
+"""Should I distribute? `tfdist.advise` measures a model on the devices at hand and says how to train it.
+
+It times, side by side on the devices you have:
+
+- one training step of the whole batch on one device (forward, backward, optimizer update),
+- the forward and backward pass of 1/N of the batch on each of the N devices at once: the compute
+  speed-up these devices really give (on simulated CPU devices, which share the host's cores,
+  it is far below N),
+- the all-reduce of the model's gradient bytes over the N devices (tfdist's own all-reduce),
+
+predicts the data-parallel step time (parallel compute + all-reduce + the optimizer updating N
+copies), estimates memory (parameters + optimizer slots + forward activations) against each
+device's memory, and recommends one of `RECOMMENDATIONS`, with a mesh shape.
+
+The `tfdist-advise` binary (`python -m tfdist.advisor`) does this for a reference model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+RECOMMENDATIONS = ("one device", "data parallel", "model parallel", "hybrid")
+MEMORY_HEADROOM = 0.9  # plan to fill at most this share of a device's memory
+_ROUND_SECONDS = 0.1  # each timed round repeats a step until it lasts about this long
+_SKIPPED_OPS = frozenset({"ReadVariableOp", "Const", "Placeholder", "VarHandleOp", "NoOp", "Identity", "Shape"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """What `advise` measured and recommends. Times are seconds (medians over rounds), sizes bytes.
+
+    Attributes:
+        recommendation: one of `RECOMMENDATIONS`.
+        mesh: the device mesh to use: `{"batch": N}` for data parallel, `{"batch": b, "model": m}`
+            for model parallel (b = 1) and hybrid; None for one device.
+        devices: the devices measured.
+        batch_size: the global batch measured.
+        step_time: one training step of the whole batch on one device.
+        compute_time: its forward and backward pass alone.
+        parallel_compute_time: forward and backward of batch/N on each of the N devices at once.
+        gradient_bytes: bytes of the trainable weights' gradients.
+        all_reduce_time: all-reduce of those gradients over the N devices.
+        overhead_time: what a data-parallel `fit` step adds that does not grow with the model
+            (input splitting and copying, the strategy's per-step work), measured with a model
+            that does almost nothing on the same batch (0 when x is not one array).
+        predicted_step_time: data-parallel step over the N devices, predicted.
+        predicted_speedup: `step_time / predicted_step_time`.
+        parameter_bytes: all weights.
+        optimizer_bytes: the optimizer's slots (e.g. Adam's two moments).
+        activation_bytes: forward intermediates of the whole batch (an estimate from the traced graph).
+        device_memory: memory of one device; None when unknown.
+        reasons: the sentences behind the recommendation.
+    """
+
+    recommendation: str
+    mesh: dict | None
+    devices: tuple
+    batch_size: int
+    step_time: float
+    compute_time: float
+    parallel_compute_time: float
+    gradient_bytes: int
+    all_reduce_time: float
+    overhead_time: float
+    predicted_step_time: float
+    predicted_speedup: float
+    parameter_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    device_memory: int | None
+    reasons: tuple
+
+    @property
+    def compute_speedup(self) -> float:
+        """How much faster N devices compute 1/N of the batch each than one device the whole batch."""
+        return self.compute_time / self.parallel_compute_time
+
+    @property
+    def memory_bytes(self) -> int:
+        """Parameters + optimizer slots + activations, all on one device."""
+        return self.parameter_bytes + self.optimizer_bytes + self.activation_bytes
+
+    def __str__(self) -> str:
+        n = len(self.devices)
+        update = max(0.0, self.step_time - self.compute_time)
+        memory = "unknown" if self.device_memory is None else _size(self.device_memory)
+        lines = [
+            f"tfdist.advise: batch {self.batch_size} on {n} device(s) {list(self.devices)}",
+            f"  one device:        step {_ms(self.step_time)} (forward+backward {_ms(self.compute_time)}, "
+            f"optimizer update {_ms(update)})",
+        ]
+        if n > 1:
+            updates = self.predicted_step_time - self.parallel_compute_time - self.all_reduce_time - self.overhead_time
+            lines += [
+                f"  {n} devices at once: forward+backward of {self.batch_size // n} examples each "
+                f"{_ms(self.parallel_compute_time)} (compute speed-up {self.compute_speedup:.2f}x of an ideal {n}x)",
+                f"  gradients:         {_size(self.gradient_bytes)} all-reduced over {n} devices in "
+                f"{_ms(self.all_reduce_time)}",
+                f"  data parallel:     predicted step {_ms(self.predicted_step_time)} = "
+                f"{_ms(self.parallel_compute_time)} compute + {_ms(self.all_reduce_time)} all-reduce + "
+                f"{_ms(max(0.0, updates))} updating {n} copies + {_ms(self.overhead_time)} per-step overhead "
+                f"-> speed-up {self.predicted_speedup:.2f}x",
+            ]
+        lines += [
+            f"  memory:            parameters {_size(self.parameter_bytes)} + optimizer {_size(self.optimizer_bytes)}"
+            f" + activations ~{_size(self.activation_bytes)} = {_size(self.memory_bytes)} on one device; "
+            f"{memory} per device",
+            f"Recommendation: {self.recommendation}" + (f", mesh {self.mesh}" if self.mesh else ""),
+            *(f"  - {r}" for r in self.reasons),
+        ]
+        return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _bytes(variables) -> int:
+    import tensorflow as tf
+
+    return sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in variables)
+
+
+def _device_memory(devices: list[str]) -> int | None:
+    """Memory of one device: the GPU's total (nvidia-smi), or host RAM shared by the logical CPUs."""
+    import tensorflow as tf
+
+    if "GPU" in devices[0].upper():
+        index = tf.DeviceSpec.from_string(devices[0]).device_index or 0
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, timeout=30, check=True,
+            ).stdout.split()
+            return int(float(out[index]) * 2**20)
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            return None
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return ram // max(1, len(tf.config.list_logical_devices("CPU")))
+
+
+def _check_batch(batch):
+    import tensorflow as tf
+
+    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+        raise ValueError(
+            f"Invalid value for argument `batch`. Received: batch of type {type(batch).__name__}. "
+            "Expected a tuple (x, y) or (x, y, sample_weight) holding one global batch of training data."
+        )
+    sizes = {int(tf.shape(leaf)[0]) for leaf in tf.nest.flatten(batch)}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"Invalid value for argument `batch`: its arrays have different batch sizes {sorted(sizes)}. "
+            "Expected x, y (and sample_weight) with the same first dimension."
+        )
+    return tuple(batch), sizes.pop()
+
+
+def _copy_optimizer(optimizer):
+    import keras
+
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        return optimizer.__class__.from_config(optimizer.get_config())
+    return keras.optimizers.get(optimizer)
+
+
+def _clone(model, optimizer, strategy):
+    """The model's architecture, weights and loss, compiled with a fresh `optimizer`, under `strategy`."""
+    import keras
+
+    with strategy.scope():
+        clone = keras.models.clone_model(model)
+        clone.set_weights(model.get_weights())
+        clone.compile(optimizer=_copy_optimizer(optimizer), loss=model.loss)
+        clone.optimizer.build(clone.trainable_variables)
+    return clone
+
+
+def _loss_and_grads(model, x, y, sample_weight=None):
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        y_pred = model(x, training=True)
+        loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+    return loss, tape.gradient(loss, model.trainable_variables)
+
+
+def _ready(outputs) -> list:
+    """One element of each output (in replica context): fetching it waits for that output, copying nothing large."""
+    import tensorflow as tf
+
+    return [tf.reshape(t, [-1])[:1] for t in tf.nest.flatten(outputs) if t is not None]
+
+
+def _time(fn, args, rounds: int) -> float:
+    """Median seconds per call of `fn(*args)` over `rounds` rounds (after tracing and a warm-up)."""
+    import tensorflow as tf
+
+    def wait(result):
+        for value in tf.nest.flatten(result):
+            for t in getattr(value, "values", (value,)):
+                t.numpy()
+
+    wait(fn(*args))  # trace
+    start = time.perf_counter()
+    wait(fn(*args))
+    iters = max(1, min(100, int(_ROUND_SECONDS / max(time.perf_counter() - start, 1e-6))))
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(iters - 1):
+            fn(*args)
+        wait(fn(*args))
+        times.append((time.perf_counter() - start) / iters)
+    return statistics.median(times)
+
+
+def _activation_bytes(model, x) -> int:
+    """Bytes of the float tensors the traced forward pass of batch `x` produces."""
+    import tensorflow as tf
+
+    graph = tf.function(lambda inputs: model(inputs, training=True)).get_concrete_function(x).graph
+    total = 0
+    for op in graph.get_operations():
+        if op.type in _SKIPPED_OPS:
+            continue
+        for t in op.outputs:
+            if t.dtype.is_floating and t.shape.is_fully_defined():
+                total += t.shape.num_elements() * t.dtype.size
+    return total
+
+
+def _fit_overhead(data, devices: list[str], rounds: int) -> float:
+    """Extra seconds per `fit` step under data parallelism that do not grow with the model.
+
+    Fits a model that does almost nothing on the same batch (so the same input splitting and
+    copying, the strategy's per-step work and collectives remain) on one device and on all
+    `devices`, side by side; 0 when x is not a single array.
+    """
+    import keras
+    import tensorflow as tf
+
+    from tfdist.strategies.data_parallel import DataParallelStrategy
+
+    x = data[0]
+    if not isinstance(x, tf.Tensor):
+        return 0.0
+    dataset = tf.data.Dataset.from_tensors(data).repeat()
+    times = {}
+    for n in (1, len(devices)):
+        with DataParallelStrategy(devices=devices[:n]).scope():
+            probe = keras.Sequential(
+                [keras.Input(x.shape[1:], dtype=x.dtype), keras.layers.Flatten(), keras.layers.Dense(1)]
+            )
+            probe.compile(optimizer="sgd", loss=lambda y_true, y_pred: keras.ops.mean(y_pred))
+        probe.fit(dataset, steps_per_epoch=2, verbose=0)
+        times[n] = probe
+    steps = 10
+    measured = {1: [], len(devices): []}
+    for _ in range(rounds):
+        for n, probe in times.items():
+            start = time.perf_counter()
+            probe.fit(dataset, steps_per_epoch=steps, verbose=0)
+            measured[n].append((time.perf_counter() - start) / steps)
+    return max(0.0, statistics.median(measured[len(devices)]) - statistics.median(measured[1]))
+
+
+def _mesh_for_memory(state: int, activations: int, n: int, usable: float) -> dict | None:
+    """The smallest model axis m (a divisor of n) whose mesh {batch: n/m, model: m} fits, or None."""
+    for m in (d for d in range(2, n + 1) if n % d == 0):
+        if state / m + activations / (n // m) <= usable:
+            return {"batch": n // m, "model": m}
+    return None
+
+
+def advise(
+    model,
+    batch,
+    *,
+    devices: list[str] | None = None,
+    optimizer=None,
+    rounds: int = 5,
+    device_memory: int | None = None,
+    min_speedup: float = 1.15,
+) -> Advice:
+    """Measures `model` on the devices at hand and recommends how to train it.
+
+    The model is cloned (its weights and optimizer are left untouched). Times
+    are medians over `rounds` rounds; the data-parallel step is predicted as
+    (forward+backward of batch/N on N devices at once, measured) + (all-reduce
+    of the gradient bytes, measured) + (optimizer update, measured on one
+    device, for N copies at the measured concurrency).
+
+    Recommends, in this order: when the model with its whole batch fits one
+    device, "data parallel" if the predicted speed-up is at least
+    `min_speedup`, else "one device" (communication or shared compute would
+    eat the gain); when it does not fit one device, "data parallel" if its
+    share of the batch fits each device, else "hybrid" (a batch x model mesh
+    with the smallest model axis that fits) or "model parallel".
+
+    Args:
+        model: a compiled Keras model (its loss is used; its optimizer unless
+            `optimizer` is given).
+        batch: one global batch of training data, `(x, y)` or
+            `(x, y, sample_weight)`.
+        devices: the devices to plan for, e.g. `["GPU:0", "GPU:1"]`; default
+            all GPUs, else all logical CPUs (`tfdist.devices.default_devices`).
+        optimizer: a Keras optimizer (or its name) to plan with instead of
+            the model's.
+        rounds: timing rounds per measurement, at least 1.
+        device_memory: bytes of memory per device; default: the GPU's total
+            (from nvidia-smi), or on CPUs the host's RAM divided by the
+            number of logical CPU devices.
+        min_speedup: the predicted data-parallel speed-up below which one
+            device is recommended.
+
+    Returns:
+        An `Advice`; `print(advice)` shows the numbers behind it.
+
+    Raises:
+        ValueError: for a model that is not compiled, a malformed `batch`, a
+            batch smaller than the number of devices, or a bad `devices`,
+            `rounds`, `device_memory` or `min_speedup`.
+
+    Example:
+
+    >>> import keras, numpy as np, tfdist
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> advice = tfdist.advise(model, (np.ones((8, 4)), np.ones((8, 1))), devices=["CPU:0"], rounds=1)
+    >>> advice.recommendation
+    'one device'
+    """
+    import tensorflow as tf
+
+    from tfdist import _validate
+    from tfdist import devices as devices_lib
+    from tfdist.strategies.data_parallel import DataParallelStrategy
+
+    if getattr(model, "loss", None) is None or not getattr(model, "compiled", False):
+        raise ValueError(
+            "Invalid value for argument `model`: it is not compiled with a loss. Call "
+            "model.compile(optimizer=..., loss=...) before tfdist.advise(model, batch)."
+        )
+    batch, batch_size = _check_batch(batch)
+    rounds = _validate.integer("rounds", rounds, where=" of advise()")
+    device_memory = _validate.integer("device_memory", device_memory, allow_none=True, where=" of advise()")
+    min_speedup = _validate.positive_number("min_speedup", min_speedup)
+    if devices is None:
+        devices = devices_lib.default_devices()
+    elif isinstance(devices, str) or not list(devices):
+        raise ValueError(
+            f"Invalid value for argument `devices`. Received: devices={devices!r}. "
+            "Expected a non-empty list of device names such as ['CPU:0', 'CPU:1'], or None."
+        )
+    devices = [devices_lib.canonical_device(d) for d in devices]
+    n = len(devices)
+    if batch_size < n:
+        raise ValueError(
+            f"Invalid value for argument `batch`: {batch_size} example(s) cannot be split over {n} devices. "
+            f"Pass a global batch of at least {n} examples (the batch you would train with)."
+        )
+    optimizer = optimizer if optimizer is not None else model.optimizer
+
+    one = DataParallelStrategy(devices=devices[:1])
+    single = _clone(model, optimizer, one)
+
+    @tf.function
+    def forward_backward(*data):
+        return one.run(lambda *d: _ready(_loss_and_grads(single, *d)[1]), args=data)
+
+    @tf.function
+    def train_step(*data):
+        def step(*d):
+            loss, grads = _loss_and_grads(single, *d)
+            single.optimizer.apply(grads, single.trainable_variables)
+            return loss
+
+        return one.run(step, args=data)
+
+    with one.scope():
+        data = tuple(tf.nest.map_structure(tf.convert_to_tensor, batch))
+    compute_time = _time(forward_backward, data, rounds)
+    step_time = max(_time(train_step, data, rounds), compute_time)
+    gradient_bytes = _bytes(single.trainable_variables)
+    parameter_bytes = _bytes(single.weights)
+    optimizer_bytes = _bytes(v for v in single.optimizer.variables if len(v.shape) > 0)
+    activation_bytes = _activation_bytes(single, data[0])
+
+    parallel_time, all_reduce_time, overhead_time, predicted = compute_time, 0.0, 0.0, step_time
+    if n > 1:
+        many = DataParallelStrategy(devices=devices)
+        replicas = _clone(model, optimizer, many)
+        per_replica = batch_size // n
+
+        def shard(ctx):
+            start = ctx.replica_id_in_sync_group * per_replica
+            return tuple(tf.nest.map_structure(lambda a: a[start : start + per_replica], data))
+
+        shards = many.experimental_distribute_values_from_function(shard)
+        zeros = many.experimental_distribute_values_from_function(
+            lambda _: [tf.zeros(v.shape, v.dtype) for v in replicas.trainable_variables]
+        )
+
+        @tf.function
+        def parallel_forward_backward(shards):
+            return many.run(lambda d: _ready(_loss_and_grads(replicas, *d)[1]), args=(shards,))
+
+        @tf.function
+        def all_reduce(grads):
+            return many.run(lambda g: _ready(many.extended._tfdist_all_reduce_gradients(g)), args=(grads,))
+
+        parallel_time = _time(parallel_forward_backward, (shards,), rounds)
+        all_reduce_time = _time(all_reduce, (zeros,), rounds)
+        speedup = compute_time / parallel_time
+        update_time = max(0.0, step_time - compute_time) * n / min(max(speedup, 1.0), n)
+        overhead_time = _fit_overhead(data, devices, rounds)
+        predicted = parallel_time + all_reduce_time + update_time + overhead_time
+
+    if device_memory is None:
+        device_memory = _device_memory(devices)
+    predicted_speedup = step_time / predicted
+    state = parameter_bytes + optimizer_bytes
+    reasons = []
+    if device_memory is None:
+        usable = math.inf
+        reasons.append("device memory unknown: assumed to fit (pass device_memory= to check)")
+    else:
+        usable = MEMORY_HEADROOM * device_memory
+    mesh = None
+    if state + activation_bytes <= usable:
+        gain = f"predicted data-parallel speed-up {predicted_speedup:.2f}x on {n} devices"
+        if n > 1 and predicted_speedup >= min_speedup:
+            recommendation, mesh = "data parallel", {"batch": n}
+            reasons.append(f"{gain} (>= {min_speedup:g}x)")
+        else:
+            recommendation = "one device"
+            if n == 1:
+                reasons.append("only one device at hand, and the model fits it")
+            else:
+                reasons.append(f"{gain} (< {min_speedup:g}x): not worth distributing")
+                if all_reduce_time >= parallel_time:
+                    reasons.append(
+                        f"communication would dominate: the all-reduce ({_ms(all_reduce_time)}) takes as long "
+                        f"as the parallel compute ({_ms(parallel_time)})"
+                    )
+                if compute_time / parallel_time < 0.5 * n:
+                    reasons.append(
+                        f"these devices compute only {compute_time / parallel_time:.2f}x faster together than one "
+                        f"alone (ideal {n}x){': simulated devices share the host cores' if 'CPU' in devices[0] else ''}"
+                    )
+        reasons.append(f"the model and its whole batch fit one device ({_size(state + activation_bytes)})")
+    elif n > 1 and state + activation_bytes / n <= usable:
+        recommendation, mesh = "data parallel", {"batch": n}
+        reasons.append(
+            f"the whole batch does not fit one device ({_size(state + activation_bytes)} > {_size(usable)} usable), "
+            f"1/{n} of it does: data parallel to fit (predicted speed-up {predicted_speedup:.2f}x)"
+        )
+    else:
+        mesh = _mesh_for_memory(state, activation_bytes, n, usable)
+        if mesh is None:
+            need = 2 ** math.ceil(math.log2(max(2, (state + activation_bytes) / usable)))
+            mesh = {"batch": 1, "model": max(n, need)}
+            reasons.append(
+                f"does not fit even split over {n} device(s) ({_size(state / n + activation_bytes)} each > "
+                f"{_size(usable)} usable): about {need} devices, or a smaller batch, are needed"
+            )
+        else:
+            reasons.append(
+                f"weights and optimizer ({_size(state)}) do not fit next to the activations on one device "
+                f"({_size(usable)} usable); split over a model axis of {mesh['model']} they do"
+            )
+        recommendation = "model parallel" if mesh["batch"] == 1 else "hybrid"
+        reasons.append(f"use tfdist.ModelParallelStrategy(mesh={mesh}, rules=...)")
+    return Advice(
+        recommendation=recommendation,
+        mesh=mesh,
+        devices=tuple(devices),
+        batch_size=batch_size,
+        step_time=step_time,
+        compute_time=compute_time,
+        parallel_compute_time=parallel_time,
+        gradient_bytes=gradient_bytes,
+        all_reduce_time=all_reduce_time,
+        overhead_time=overhead_time,
+        predicted_step_time=predicted,
+        predicted_speedup=predicted_speedup,
+        parameter_bytes=parameter_bytes,
+        optimizer_bytes=optimizer_bytes,
+        activation_bytes=activation_bytes,
+        device_memory=device_memory,
+        reasons=tuple(reasons),
+    )
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Entry point of `tfdist-advise`: advice for a reference model (MLP or transformer LM)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="tfdist-advise",
+        description="Should I distribute? Measures a reference model on the devices at hand and recommends "
+        "one device, data parallel, model parallel or hybrid, with the numbers behind it.",
+    )
+
+    def positive(text: str) -> int:
+        value = int(text)
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+        return value
+
+    parser.add_argument("--model", choices=("mlp", "lm"), default="mlp", help="mlp: Dense layers; lm: transformer_lm")
+    parser.add_argument("--width", type=positive, default=512, help="MLP width / LM d_model")
+    parser.add_argument("--depth", type=positive, default=3, help="MLP layers / LM blocks")
+    parser.add_argument("--seq_len", type=positive, default=64, help="LM tokens per example")
+    parser.add_argument("--batch_size", type=positive, default=256, help="global batch")
+    parser.add_argument("--optimizer", default="adam", help="a Keras optimizer name")
+    parser.add_argument("--num_devices", type=positive, default=4, help="simulated CPU devices (all GPUs if any)")
+    parser.add_argument(
+        "--threads_per_device", type=int, default=0,
+        help="on CPUs: intra-op threads (0: TensorFlow's default, every device uses all cores)",
+    )
+    parser.add_argument("--rounds", type=positive, default=5)
+    parser.add_argument("--device_memory_gib", type=float, default=None, help="memory per device (default: measured)")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    from tfdist import devices as devices_lib
+
+    if not tf.config.list_physical_devices("GPU"):
+        if args.threads_per_device:  # before simulate_devices, which starts TensorFlow's runtime
+            tf.config.threading.set_intra_op_parallelism_threads(args.threads_per_device)
+        devices_lib.simulate_devices(args.num_devices)
+    import keras
+    import numpy as np
+
+    from tfdist import models
+
+    rng = np.random.default_rng(0)
+    keras.utils.set_random_seed(0)
+    if args.model == "mlp":
+        model = keras.Sequential(
+            [keras.Input((args.width,))]
+            + [keras.layers.Dense(args.width, activation="relu") for _ in range(args.depth)]
+            + [keras.layers.Dense(10)]
+        )
+        x = rng.normal(size=(args.batch_size, args.width)).astype("float32")
+        y = rng.integers(0, 10, size=(args.batch_size,)).astype("int32")
+    else:
+        model = models.transformer_lm(seq_len=args.seq_len, d_model=args.width, num_layers=args.depth)
+        x = rng.integers(0, 256, size=(args.batch_size, args.seq_len)).astype("int32")
+        y = rng.integers(0, 256, size=(args.batch_size, args.seq_len)).astype("int32")
+    model.compile(optimizer=args.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    memory = None if args.device_memory_gib is None else int(args.device_memory_gib * 2**30)
+    try:
+        advice = advise(model, (x, y), rounds=args.rounds, device_memory=memory)
+    except ValueError as e:
+        print(f"tfdist-advise: error: {e}", file=sys.stderr)
+        return 2
+    print(f"model: {args.model}, {model.count_params():,} parameters, {args.optimizer}")
+    print(advice)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())
