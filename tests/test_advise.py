@@ -3,7 +3,8 @@
 The wide-model test runs in its own process with 2 simulated CPU devices of one core each
 (intra-op threads = 1), like two separate accelerators on this 2-core host: there data parallelism
 really pays, and the advisor's predicted speed-up is checked against `model.fit` timed side by side
-under DataParallelStrategy and on one device (tolerance 30%). With TensorFlow's default threads
+under DataParallelStrategy and on one device (steady-state seconds per step, from batch-end times;
+tolerance 30%). With TensorFlow's default threads
 every simulated device already uses all cores, and the advisor rightly finds nothing to gain.
 """
 
@@ -57,7 +58,7 @@ tfdist.simulate_devices(2)
 import keras, numpy as np
 from tests.test_advise import batch, mlp
 
-WIDTH, DEPTH, BATCH, STEPS, ROUNDS = 512, 2, 1024, 8, 5
+WIDTH, DEPTH, BATCH, STEPS, ROUNDS = 512, 2, 4096, 12, 5
 x, y = batch(BATCH, WIDTH)
 advice = tfdist.advise(mlp(WIDTH, DEPTH), (x, y), devices=["CPU:0", "CPU:1"], rounds=5)
 print(advice, flush=True)
@@ -66,10 +67,18 @@ data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
 one = mlp(WIDTH, DEPTH)
 with tfdist.DataParallelStrategy(devices=["CPU:0", "CPU:1"]).scope():
     dp = mlp(WIDTH, DEPTH)
+
+class Clock(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter())
+
 def step_time(model):
-    start = time.perf_counter()
-    model.fit(data, steps_per_epoch=STEPS, epochs=1, verbose=0)
-    return (time.perf_counter() - start) / STEPS
+    # Steady-state seconds per fit step: the median interval between batch ends, after a warm-up
+    # (a fit call's own start-up, such as building its input iterator, is not a training step).
+    clock = Clock()
+    clock.times = []
+    model.fit(data, steps_per_epoch=STEPS, epochs=1, verbose=0, callbacks=[clock])
+    return statistics.median(b - a for a, b in zip(clock.times[3:], clock.times[4:]))
 step_time(one), step_time(dp)  # trace
 ratios = []
 for r in range(ROUNDS):
@@ -87,11 +96,9 @@ def test_wide_model_with_large_batch_goes_data_parallel_and_predicts_the_speedup
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     print(proc.stdout)
     assert abs(result["predicted"] - result["measured"]) <= SPEEDUP_RTOL * result["measured"], result
-    # Right = what the measurement says: data parallel where it really is faster.
-    if result["measured"] >= 1.15:
-        assert result["recommendation"] == "data parallel" and result["mesh"] == {"batch": 2}, result
-    else:
-        assert result["recommendation"] == "one device", result
+    # The advice is right: data parallel, and it is measurably faster than one device.
+    assert result["recommendation"] == "data parallel" and result["mesh"] == {"batch": 2}, result
+    assert result["measured"] > 1.0, result
 
 
 def test_weights_that_do_not_fit_one_device_get_a_model_axis():

@@ -46,7 +46,7 @@ class Advice:
         parallel_compute_time: forward and backward of batch/N on each of the N devices at once.
         gradient_bytes: bytes of the trainable weights' gradients.
         all_reduce_time: all-reduce of those gradients over the N devices.
-        overhead_time: what a data-parallel `fit` step adds that does not grow with the model
+        overhead_time: what a data-parallel training step adds that does not grow with the model
             (input splitting and copying, the strategy's per-step work), measured with a model
             that does almost nothing on the same batch (0 when x is not one array).
         predicted_step_time: data-parallel step over the N devices, predicted.
@@ -246,12 +246,13 @@ def _activation_bytes(model, x) -> int:
     return total
 
 
-def _fit_overhead(data, devices: list[str], rounds: int) -> float:
-    """Extra seconds per `fit` step under data parallelism that do not grow with the model.
+def _step_overhead(data, devices: list[str], rounds: int) -> float:
+    """Extra seconds per training step under data parallelism that do not grow with the model.
 
-    Fits a model that does almost nothing on the same batch (so the same input splitting and
-    copying, the strategy's per-step work and collectives remain) on one device and on all
-    `devices`, side by side; 0 when x is not a single array.
+    Runs Keras' train step of a model that does almost nothing, fed the same batch through the
+    strategy's distributed input pipeline (so the input splitting and copying, the strategy's
+    per-step work and its collectives remain), on one device and on all `devices`, in steady
+    state; 0 when x is not a single array.
     """
     import keras
     import tensorflow as tf
@@ -262,23 +263,19 @@ def _fit_overhead(data, devices: list[str], rounds: int) -> float:
     if not isinstance(x, tf.Tensor):
         return 0.0
     dataset = tf.data.Dataset.from_tensors(data).repeat()
-    times = {}
+    seconds = {}
     for n in (1, len(devices)):
-        with DataParallelStrategy(devices=devices[:n]).scope():
+        strategy = DataParallelStrategy(devices=devices[:n])
+        with strategy.scope():
             probe = keras.Sequential(
                 [keras.Input(x.shape[1:], dtype=x.dtype), keras.layers.Flatten(), keras.layers.Dense(1)]
             )
             probe.compile(optimizer="sgd", loss=lambda y_true, y_pred: keras.ops.mean(y_pred))
-        probe.fit(dataset, steps_per_epoch=2, verbose=0)
-        times[n] = probe
-    steps = 10
-    measured = {1: [], len(devices): []}
-    for _ in range(rounds):
-        for n, probe in times.items():
-            start = time.perf_counter()
-            probe.fit(dataset, steps_per_epoch=steps, verbose=0)
-            measured[n].append((time.perf_counter() - start) / steps)
-    return max(0.0, statistics.median(measured[len(devices)]) - statistics.median(measured[1]))
+            probe.optimizer.build(probe.trainable_variables)
+        iterator = iter(strategy.experimental_distribute_dataset(dataset))
+        step = tf.function(lambda it, s=strategy, m=probe: s.run(m.train_step, args=(next(it),)))
+        seconds[n] = _time(step, (iterator,), rounds)
+    return max(0.0, seconds[len(devices)] - seconds[1])
 
 
 def _mesh_for_memory(state: int, activations: int, n: int, usable: float) -> dict | None:
@@ -430,7 +427,7 @@ def advise(
         all_reduce_time = _time(all_reduce, (zeros,), rounds)
         speedup = compute_time / parallel_time
         update_time = max(0.0, step_time - compute_time) * n / min(max(speedup, 1.0), n)
-        overhead_time = _fit_overhead(data, devices, rounds)
+        overhead_time = _step_overhead(data, devices, rounds)
         predicted = parallel_time + all_reduce_time + update_time + overhead_time
 
     if device_memory is None:
