@@ -8,8 +8,10 @@ by float32 rounding only.
 """
 
 import collections
+import gc
 import itertools
 import os
+import weakref
 
 import keras
 import numpy as np
@@ -190,6 +192,64 @@ def test_callbacks_and_save_load_on_one_device(tmp_path):
     assert os.path.exists(path)
     for a, b in zip(model.weights, restored.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_auto_placement_frees_the_first_copies():
+    # placement="auto" creates weights on stage 0 and moves them when the first step is traced:
+    # the stage-0 copies (and their optimizer slots') must not stay alive.
+    strategy = tfdist.PipelineStrategy(stages=2, microbatches=2)
+    with strategy.scope():
+        model = mlp6("adam")
+    first = weakref.ref(model.get_layer("d5").kernel.value)
+    x, y = mlp_data()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    gc.collect()
+    assert first() is None
+    assert devices_of(model.get_layer("d5").kernel) == {"CPU:1"}
+
+
+def test_steps_per_execution_and_on_batch_methods():
+    x, y = mlp_data(32)
+
+    def build():
+        model = mlp6("sgd")
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=2,
+        )
+        return model
+
+    compare(build, x, y, tfdist.PipelineStrategy(stages=2, microbatches=4), atol=SGD_ATOL)
+    ref = mlp6("sgd")
+    strategy = tfdist.PipelineStrategy(stages=2, microbatches=4)
+    with strategy.scope():
+        model = mlp6("sgd")
+    for i in range(0, 32, 8):
+        np.testing.assert_allclose(
+            model.train_on_batch(x[i : i + 8], y[i : i + 8]), ref.train_on_batch(x[i : i + 8], y[i : i + 8]), rtol=RTOL
+        )
+    np.testing.assert_allclose(model.test_on_batch(x[:8], y[:8]), ref.test_on_batch(x[:8], y[:8]), rtol=RTOL)
+    np.testing.assert_allclose(model.predict_on_batch(x[:8]), ref.predict_on_batch(x[:8]), atol=1e-5)
+
+
+def test_model_without_input_built_by_fit():
+    def build():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.layers.Dense(16, activation="tanh", name=f"d{i}") for i in range(3)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    x, y = mlp_data()
+    strategy = tfdist.PipelineStrategy(stages=3, microbatches=2, placement={"d0": 0, "d1": 1, "d2": 2})
+    compare(build, x, np.tile(y[:, None], (1, 16)).astype("float32"), strategy, atol=SGD_ATOL)
+    assert strategy.plan.layers == (("d0",), ("d1",), ("d2",))
+
+
+def test_plan_timed_reports_time_per_stage():
+    plan = pipeline_lib.balance(unbalanced(), 4, cost="params").timed(unbalanced(), batch_size=8, rounds=1)
+    assert plan.seconds is not None and len(plan.seconds) == 4 and all(t > 0 for t in plan.seconds)
+    assert "ms per batch" in plan.report()
 
 
 def test_gradient_colocation_hook_is_still_needed():

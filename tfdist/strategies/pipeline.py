@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Mapping
 
 import tensorflow as tf
@@ -67,7 +68,8 @@ class _PipelineExtended(data_parallel._DataParallelExtended):
         self._model_id = None
         self._layer_devices = None  # per replica: {id(layer): device}
         self._placing = threading.local()
-        self._colocated = {}  # id(created tf variable) -> the variable it was colocated with
+        # id(optimizer slot tf.Variable) -> weak reference to the variable it was colocated with
+        self._colocated = {}
 
     # ---------------------------------------------------------------- variables
     def _stage_of_path(self, path: str | None):
@@ -90,7 +92,7 @@ class _PipelineExtended(data_parallel._DataParallelExtended):
                 kwargs["colocate_with"] = _StageDevices(devices)
         variable = super()._create_variable(next_creator, **kwargs)
         if colocate_with is not None and not isinstance(colocate_with, _StageDevices):
-            self._colocated[id(variable)] = colocate_with
+            self._colocated[id(variable)] = weakref.ref(colocate_with)
         return variable
 
     @contextlib.contextmanager
@@ -118,21 +120,24 @@ class _PipelineExtended(data_parallel._DataParallelExtended):
 
     def _place_weights(self, model, plan, units):
         """Puts every weight of each stage's layers (and their optimizer slots) on the stage's devices."""
-        moved = {}
+        moved = {}  # id(old tf.Variable) -> (old, new); holds the old ones until their slots follow
         for layer in units:
             devices = tuple(self._grid[plan.stage_of(layer.name)])
             for weight in layer.weights:
                 if _var_devices(weight.value) != devices and id(weight.value) not in moved:
                     old, new = self._recreate(weight, devices)
-                    moved[id(old)] = new
+                    moved[id(old)] = (old, new)
         optimizer = getattr(model, "optimizer", None)
         if moved and optimizer is not None and getattr(optimizer, "built", False):
             for slot in optimizer.variables:
-                owner = self._colocated.get(id(slot.value))
+                owner = self._colocated.get(id(slot.value), lambda: None)()
                 if owner is not None and id(owner) in moved:
-                    _, new = self._recreate(slot, _var_devices(moved[id(owner)]))
-                    self._colocated[id(new)] = moved[id(owner)]
+                    new_owner = moved[id(owner)][1]
+                    _, new = self._recreate(slot, _var_devices(new_owner))
+                    self._colocated[id(new)] = weakref.ref(new_owner)
             _keras_compat.rekey_optimizer(optimizer)
+        moved.clear()
+        self._colocated = {k: ref for k, ref in self._colocated.items() if ref() is not None}
 
     # ---------------------------------------------------------------- plan
     def _prepare(self, model, batch_size):
@@ -152,6 +157,14 @@ class _PipelineExtended(data_parallel._DataParallelExtended):
         ]
         self._plan = plan
         self._model_id = id(model)
+
+    def _microbatch_size_hint(self, args) -> int:
+        """A replica's micro-batch size from the step's static input shape (8 when unknown)."""
+        for leaf in nest.flatten(args):
+            shape = getattr(getattr(leaf, "values", (leaf,))[0], "shape", None)
+            if shape is not None and shape.rank and shape[0] is not None:
+                return max(1, shape[0] // self._microbatches)
+        return 8
 
     def _tfdist_check_global_batch(self, batch_size):
         """Raises unless each replica's share of a `batch_size` global batch splits into equal micro-batches."""
@@ -181,10 +194,7 @@ class _PipelineExtended(data_parallel._DataParallelExtended):
     def _call_for_each_replica(self, fn, args, kwargs):
         model, kind = _keras_compat.keras_step(fn)
         if model is not None:
-            leaves = [t for t in nest.flatten((args, kwargs)) if hasattr(t, "shape")]
-            static = [d for d in (getattr(t, "shape", None) for t in leaves[:1]) if d is not None and d.rank]
-            batch = static[0][0] if static and static[0][0] is not None else 8
-            self._prepare(model, max(1, batch // self._microbatches))
+            self._prepare(model, self._microbatch_size_hint(args))
         if self._layer_devices is None:
             return super()._call_for_each_replica(fn, args, kwargs)
         fn = autograph.tf_convert(fn, ag_ctx.control_status_ctx(), convert_by_default=False)
