@@ -66,7 +66,7 @@ def _summary_rows() -> tuple[list[str], list[dict]]:
 
 def _plot_summary(ratios: list[dict], path: str) -> None:
     plt = _results.pyplot()
-    fig, ax = plt.subplots(figsize=(11, 0.38 * len(ratios) + 1.2))
+    fig, ax = plt.subplots(figsize=(12.5, 0.38 * len(ratios) + 1.2))
     ys = range(len(ratios))
     med = [f["median"] for f in ratios]
     ax.errorbar(

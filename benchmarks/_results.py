@@ -25,8 +25,13 @@ _HEADER = (
 
 def machine() -> str:
     """CPU model, cores, GPUs and TF/Keras versions, in one line."""
-    import keras
-    import tensorflow as tf
+    from tfdist._native_log import native_stderr_silenced
+
+    with native_stderr_silenced():  # TensorFlow's native start-up notices
+        import keras
+        import tensorflow as tf
+
+        gpus = tf.config.list_physical_devices("GPU")
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -35,7 +40,6 @@ def machine() -> str:
         cpu = names[0] if names else cpu
     except OSError:
         pass
-    gpus = tf.config.list_physical_devices("GPU")
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (
         f"{cpu}, {os.cpu_count()} cores, GPUs: {len(gpus) or 'none'}; "

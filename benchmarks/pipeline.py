@@ -262,7 +262,8 @@ def _report(bubble_rows, throughput, balance, devices, shape, rounds, steps):
     lines += [
         "What simulated devices can show: the 4 logical CPU devices share this host's cores, so stages "
         "cannot all compute at once; the measured bubble therefore includes waiting for a core (with 2 "
-        "cores and 4 stages at most half of the stage-time can be busy), and part of the micro-batch "
+        "cores and 4 stages at most half of the stage-time can be busy; more micro-batches also mean "
+        "smaller matrix products and more ops, whose fixed cost a CPU feels), and part of the micro-batch "
         "speed-up comes from TensorFlow running independent ops at once, not from placement: the "
         "same-device control (every stage on one device, same micro-batching) gains from M too. The "
         "pipeline's own gain is the ratio of its M-speed-up to the control's; measure on GPUs for "
@@ -277,13 +278,14 @@ def _plot(bubble_rows, throughput, path):
     plt = _results.pyplot()
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for k, marker in ((2, "o"), (4, "s")):
+    for k, marker, color in ((2, "o", "tab:blue"), (4, "s", "tab:orange")):
         rows = [r for r in bubble_rows if r[0] == k]
         ms = [r[1] for r in rows]
-        left.plot(ms, [r[2] for r in rows], marker=marker, label=f"K={k} measured")
-        left.plot(ms, [r[5] for r in rows], marker=marker, linestyle="--", label=f"K={k} GPipe theory")
+        left.plot(ms, [r[2] for r in rows], marker=marker, color=color, label=f"K={k} measured")
+        left.plot(ms, [r[5] for r in rows], marker=marker, color=color, linestyle="--", label=f"K={k} GPipe theory")
     left.set(xscale="log", xlabel="micro-batches M", ylabel="bubble fraction", title="Pipeline bubble")
     left.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+    left.minorticks_off()
     left.legend()
     for label in ("4 stages", "2 stages", "same device"):
         ms = [1, 2, 4, 8]
@@ -291,6 +293,7 @@ def _plot(bubble_rows, throughput, path):
         right.plot(ms, [statistics.median(throughput[(label, m)]) / base for m in ms], marker="o", label=label)
     right.set(xscale="log", xlabel="micro-batches M", ylabel="examples/s / (M=1)", title="Throughput vs M")
     right.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+    right.minorticks_off()
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -538,11 +538,15 @@ def run(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
+    from tfdist._native_log import native_stderr_silenced
 
+    with native_stderr_silenced():
+        import tensorflow as tf
+
+        gpus = tf.config.list_physical_devices("GPU")
     from tfdist import devices as devices_lib
 
-    if not tf.config.list_physical_devices("GPU"):
+    if not gpus:
         if args.threads_per_device:  # before simulate_devices, which starts TensorFlow's runtime
             tf.config.threading.set_intra_op_parallelism_threads(args.threads_per_device)
         devices_lib.simulate_devices(args.num_devices)

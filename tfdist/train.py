@@ -17,7 +17,6 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import atexit  # noqa: E402
-import contextlib  # noqa: E402
 import importlib.util  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
@@ -26,36 +25,9 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from typing import NoReturn  # noqa: E402
 
+from tfdist._native_log import native_stderr_silenced  # noqa: E402
 
-@contextlib.contextmanager
-def _native_stderr_silenced():
-    """Hides what is written to file descriptor 2 meanwhile, and replays it if the block raises.
-
-    TensorFlow's native code logs to stderr before its log level applies (oneDNN and CUDA
-    notices on import, a cuInit error on machines without a GPU driver); those lines are noise
-    to a user of this binary. The binary owns its process, so it may redirect the descriptor.
-    (Only what happens inside the block is hidden: if the `tfdist` package already imported
-    TensorFlow, its import-time notices were printed before this module ran.)
-    """
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
-        try:
-            yield
-        except BaseException:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            captured.seek(0)
-            os.write(2, captured.read())
-            raise
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-with _native_stderr_silenced():
+with native_stderr_silenced():
     import keras
     import tensorflow as tf
     from absl import app
