@@ -13,6 +13,7 @@ import os
 import platform
 import re
 import statistics
+import sys
 
 DIRECTORY = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(DIRECTORY, "RESULTS.md")
@@ -46,6 +47,11 @@ def machine() -> str:
         f"TensorFlow {tf.__version__}, Keras {keras.__version__}, Python {platform.python_version()}; "
         f"load average when written (1/5/15 min): {load}"
     )
+
+
+def command(module: str, argv: list[str] | None) -> str:
+    """The command line that ran benchmark `module` (e.g. "pipeline") with `argv` (None: this process's)."""
+    return f"python -m benchmarks.{module} " + " ".join(argv if argv is not None else sys.argv[1:])
 
 
 def figure(label: str, values, *, goal: str | None = None, unit: str = "x") -> dict:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -234,7 +233,7 @@ def main(argv=None):
         plot(results, memcpy, path)
         _results.write_section(
             "All-reduce bandwidth",
-            "python -m benchmarks.allreduce " + " ".join(argv if argv is not None else sys.argv[1:]),
+            _results.command("allreduce", argv),
             body,
             figures=figures,
             plot=os.path.basename(path),

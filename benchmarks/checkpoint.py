@@ -22,7 +22,6 @@ import gc
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
@@ -133,7 +132,7 @@ def main(argv=None):
 
         _results.write_section(
             "Checkpoint throughput",
-            "python -m benchmarks.checkpoint " + " ".join(argv if argv is not None else sys.argv[1:]),
+            _results.command("checkpoint", argv),
             body,
             figures=[
                 _results.figure(

@@ -186,7 +186,7 @@ def main(argv=None):
     )
     print(body)
     if args.write:
-        command = "python -m benchmarks.model_parallel " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = _results.command("model_parallel", argv)
         _results.write_section("model_parallel", command, body, figures=figures)
     return 0
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -89,7 +88,7 @@ def main(argv=None):
 
         _results.write_section(
             "DataParallelStrategy overhead",
-            "python -m benchmarks.overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
+            _results.command("overhead", argv),
             body,
             figures=[_results.figure("step time tfdist DataParallelStrategy / raw MirroredStrategy", ratios,
                                      goal="<= 1.02")],

@@ -23,7 +23,6 @@ import glob
 import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 
@@ -210,7 +209,7 @@ def main(argv=None):
         mlp = balance[0]
         _results.write_section(
             "pipeline",
-            "python -m benchmarks.pipeline " + " ".join(argv if argv is not None else sys.argv[1:]),
+            _results.command("pipeline", argv),
             body,
             figures=[
                 _results.figure("pipeline bubble measured / GPipe theory, K=4 M=4", [b / k4m4[5] for b in k4m4[6]]),

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -182,7 +181,7 @@ def main(argv=None):
         plot(curves, path)
         _results.write_section(
             "Data-parallel scaling",
-            "python -m benchmarks.scaling " + " ".join(argv if argv is not None else sys.argv[1:]),
+            _results.command("scaling", argv),
             body,
             figures=figures,
             plot=os.path.basename(path),

@@ -359,14 +359,7 @@ def advise(
     rounds = _validate.integer("rounds", rounds, where=" of advise()")
     device_memory = _validate.integer("device_memory", device_memory, allow_none=True, where=" of advise()")
     min_speedup = _validate.positive_number("min_speedup", min_speedup)
-    if devices is None:
-        devices = devices_lib.default_devices()
-    elif isinstance(devices, str) or not list(devices):
-        raise ValueError(
-            f"Invalid value for argument `devices`. Received: devices={devices!r}. "
-            "Expected a non-empty list of device names such as ['CPU:0', 'CPU:1'], or None."
-        )
-    devices = [devices_lib.canonical_device(d) for d in devices]
+    devices = devices_lib.device_list(devices)
     n = len(devices)
     if batch_size < n:
         raise ValueError(

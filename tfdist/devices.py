@@ -100,3 +100,25 @@ def canonical_device(name: str) -> str:
         f"Device {name!r} does not exist. Available logical devices: {available}. "
         "To get more CPU devices call tfdist.simulate_devices(n) before TensorFlow starts."
     )
+
+
+def device_list(devices) -> list[str]:
+    """Validates a `devices` argument: the full names of a non-empty list of distinct devices.
+
+    None means `default_devices()`.
+
+    Raises:
+        ValueError: a string or an empty list, a device that does not exist, or a device given twice.
+    """
+    if devices is None:
+        return default_devices()
+    if isinstance(devices, str) or not list(devices):
+        raise ValueError(
+            f"Invalid value for argument `devices`. Received: devices={devices!r}. "
+            "Expected a non-empty list of device names such as ['CPU:0', 'CPU:1'], or None."
+        )
+    devices = [canonical_device(d) for d in devices]
+    repeated = sorted({d for d in devices if devices.count(d) > 1})
+    if repeated:
+        raise ValueError(f"Each device may appear once in `devices`; repeated: {repeated}.")
+    return devices

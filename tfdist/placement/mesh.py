@@ -73,17 +73,7 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[str] | None = None) -> 
     (['batch', 'model'], [1, 1])
     """
     axes = validate_axes(axes)
-    if devices is None:
-        devices = devices_lib.default_devices()
-    elif isinstance(devices, str) or not list(devices):
-        raise ValueError(
-            f"Invalid value for argument `devices`. Received: devices={devices!r}. "
-            "Expected a non-empty list of device names such as ['CPU:0', 'CPU:1'], or None."
-        )
-    names = [_short_device_name(d) for d in devices]
-    repeated = sorted({d for d in names if names.count(d) > 1})
-    if repeated:
-        raise ValueError(f"Each device may appear once in `devices`; repeated: {repeated}.")
+    names = [_short_device_name(d) for d in devices_lib.device_list(devices)]
     types = sorted({d.split(":")[0] for d in names})
     if len(types) > 1:
         raise ValueError(f"A mesh holds devices of one type; got {types} in {names}.")

@@ -130,18 +130,7 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         communication: str = "auto",
         gradient_dtype: str | None = None,
     ):
-        if devices is None:
-            devices = devices_lib.default_devices()
-        else:
-            if isinstance(devices, str) or not list(devices):
-                raise ValueError(
-                    f"Invalid value for argument `devices`. Received: devices={devices!r}. "
-                    "Expected a non-empty list of device names such as ['CPU:0', 'CPU:1'], or None."
-                )
-            devices = [devices_lib.canonical_device(d) for d in devices]
-        repeated = sorted({d for d in devices if devices.count(d) > 1})
-        if repeated:
-            raise ValueError(f"Each device may appear once in `devices`; repeated: {repeated}.")
+        devices = devices_lib.device_list(devices)
         _validate_communication(communication, devices)
         wire = wire_dtype(gradient_dtype)
         _keras_compat.install()

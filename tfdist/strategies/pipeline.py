@@ -375,10 +375,7 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
                     f"Invalid value for argument `devices`. Received: devices={devices!r}. Expected a list of "
                     f"stages x replicas = {stages} x {replicas} = {needed} device names (replica-major)."
                 )
-            devices = [devices_lib.canonical_device(d) for d in devices]
-        repeated = sorted({d for d in devices if devices.count(d) > 1})
-        if repeated:
-            raise ValueError(f"Each device may appear once in `devices`; repeated: {repeated}.")
+            devices = devices_lib.device_list(devices)
         data_parallel._validate_communication(communication, devices)
         _keras_compat.install_pipeline()
         grid = [[devices[r * stages + s] for r in range(replicas)] for s in range(stages)]
