@@ -194,6 +194,24 @@ def test_callbacks_and_save_load_on_one_device(tmp_path):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_loss_scale_optimizer(replicas):
+    # Mixed precision's LossScaleOptimizer checks and unscales the summed micro-batch gradients.
+    def build():
+        model = mlp6("sgd")
+        model.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        return model
+
+    x, y = mlp_data()
+    strategy = tfdist.PipelineStrategy(stages=2, microbatches=4 // replicas, replicas=replicas)
+    _, model = compare(build, x, y, strategy, atol=SGD_ATOL)
+    assert int(model.optimizer.iterations.numpy()) == 10  # 5 steps x 2 epochs, one update each
+
+
 def test_auto_placement_frees_the_first_copies():
     # placement="auto" creates weights on stage 0 and moves them when the first step is traced:
     # the stage-0 copies (and their optimizer slots') must not stay alive.

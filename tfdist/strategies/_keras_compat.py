@@ -156,15 +156,21 @@ def _as_mirrored(value):
     return value
 
 
+def _microbatch_gradients(grads):
+    """In a pipeline step (PipelineStrategy), the gradients of all micro-batches summed at the last
+    one, None at the others (they are applied once, with the last); elsewhere `grads` as they are."""
+    if tf.distribute.get_replica_context() is None:
+        return grads
+    accumulate = getattr(tf.distribute.get_strategy().extended, "_tfdist_accumulate_microbatch", None)
+    return grads if accumulate is None else accumulate(list(grads))
+
+
 def _apply(self, grads, trainable_variables=None):
+    grads = _microbatch_gradients(grads)
+    if grads is None:
+        return None
     replica_context = tf.distribute.get_replica_context()
     strategy = tf.distribute.get_strategy()
-    accumulate = getattr(strategy.extended, "_tfdist_accumulate_microbatch", None)
-    if replica_context is not None and accumulate is not None:
-        # A pipeline step: the gradients of all micro-batches are summed, then applied once.
-        grads = accumulate(list(grads))
-        if grads is None:
-            return None
     if (
         replica_context is None
         or not _is_exact_strategy(strategy)
@@ -724,7 +730,8 @@ def model_parallel_installed() -> bool:
 # `colocate_gradients_with_ops` for `tf.gradients` only; for tapes, tfdist re-registers the eager
 # gradient function with a wrapper that, during a pipeline step, enters the forward op's device.
 # Both hooks read a thread-local set only by PipelineStrategy's step; elsewhere they are no-ops.
-# (The micro-batch gradient sum lives in Hook 2, `_apply`.)
+# (The micro-batch gradient sum lives in Hook 2, `_apply`, and, for mixed precision, in
+# `LossScaleOptimizer.apply`, which does not go through the base class' `apply`.)
 # --------------------------------------------------------------------------------------------
 _pipeline_state = threading.local()
 _keras_layer = keras.src.layers.layer.Layer
@@ -792,18 +799,36 @@ def rekey_optimizer(optimizer) -> None:
     Keras keys each trainable variable by its tf.Variable (`_var_key`); PipelineStrategy moves a
     variable to its stage by giving the Keras variable a new tf.Variable.
     """
-    optimizer._trainable_variables_indices = {
-        optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)
-    }
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):  # LossScaleOptimizer wraps one
+        if opt is not None:
+            opt._trainable_variables_indices = {opt._var_key(v): i for i, v in enumerate(opt._trainable_variables)}
+
+
+_loss_scale_optimizer = keras.optimizers.LossScaleOptimizer
+_original_loss_scale_apply = _loss_scale_optimizer.apply
+
+
+def _loss_scale_apply(self, grads, trainable_variables=None):
+    # The loss-scale check and the unscaling act on the sum of the micro-batch gradients.
+    grads = _microbatch_gradients(grads)
+    if grads is None:
+        return None
+    return _original_loss_scale_apply(self, grads, trainable_variables)
 
 
 _PIPELINE_PATCHES = (
+    (_loss_scale_optimizer, "apply", _loss_scale_apply),
     (_keras_tf_variable, "_initialize", _variable_initialize),
     (_keras_layer, "__call__", _layer_call),
     (tf_backprop, "_gradient_function", _colocated_gradient_function),
 )
 _PIPELINE_HOOKS = (
     ("variable_path", _original_variable_initialize, ("tf.Variable(", "name=self.name")),
+    (
+        "loss_scale_apply",
+        _original_loss_scale_apply,
+        ("def apply(self, grads, trainable_variables=None):", "self._tf_apply(grads, trainable_variables)"),
+    ),
     ("layer_call", _original_layer_call, ("def __call__(self, *args, **kwargs):", "super().__call__(")),
     (
         "gradient_function",

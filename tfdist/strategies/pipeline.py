@@ -182,13 +182,14 @@ class _PipelineExtended(data_parallel._DataParallelExtended):
     def _tfdist_accumulate_microbatch(self, grads):
         """Sums gradients over the step's micro-batches: None until the last, then the sum."""
         state = getattr(self._tfdist_flags(), "microbatch", None)
-        if state is None:
+        if state is None or state["applied"]:  # not micro-batching, or an optimizer inside one
             return grads
         if state["sum"] is not None:
             grads = [_add(a, g) for a, g in zip(state["sum"], grads)]
         if not state["last"]:
             state["sum"] = grads
             return None
+        state["sum"], state["applied"] = None, True
         return grads
 
     def _call_for_each_replica(self, fn, args, kwargs):
@@ -228,7 +229,7 @@ class _PipelineExtended(data_parallel._DataParallelExtended):
         flags = self._tfdist_flags()
         outputs = []
         with tf.device(self._grid[-1][r]):
-            flags.microbatch = {"sum": None, "last": False}
+            flags.microbatch = {"sum": None, "last": False, "applied": False}
             try:
                 for m, (part, count, padded) in enumerate(parts):
                     share = tf.math.divide_no_nan(tf.cast(count, tf.float32), tf.cast(n, tf.float32))
