@@ -125,14 +125,16 @@ def test_clipping_acts_on_the_all_reduced_gradient(clip):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_gradient_accumulation_matches_single_device(optimizer):
+@pytest.mark.parametrize("replicas", [4, 1])  # 1: Keras' accumulation cond would call merge_call
+def test_gradient_accumulation_matches_single_device(optimizer, replicas):
     def make():
         if optimizer == "sgd":
             return keras.optimizers.SGD(0.1, gradient_accumulation_steps=3)
         return keras.optimizers.Adam(1e-2, gradient_accumulation_steps=3, global_clipnorm=1.0)
 
     x, y = data(42)
-    ref, ref_hist, dist, dist_hist = train_both(make, x, y, batch_size=8)
+    strategy = tfdist.DataParallelStrategy(devices=DEVICES[:replicas])
+    ref, ref_hist, dist, dist_hist = train_both(make, x, y, strategy=strategy, batch_size=8)
     assert_weights_close(ref, dist, SGD_ATOL if optimizer == "sgd" else ADAM_ATOL)
     np.testing.assert_allclose(dist_hist["loss"], ref_hist["loss"], rtol=1e-4)
     micro_steps = 2 * -(-42 // 8)  # 2 epochs of 6 batches (the last one of 2 examples)

@@ -195,6 +195,20 @@ def test_callbacks_and_save_load_on_one_device(tmp_path):
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
+def test_gradient_accumulation_and_clipping(replicas):
+    def build():
+        model = mlp6("adam")
+        optimizer = keras.optimizers.Adam(1e-2, gradient_accumulation_steps=2, global_clipnorm=0.5)
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x, y = mlp_data()
+    strategy = tfdist.PipelineStrategy(stages=2, microbatches=4 // replicas, replicas=replicas)
+    _, model = compare(build, x, y, strategy, atol=ADAM_ATOL)
+    assert int(model.optimizer.iterations.numpy()) == 5  # 10 steps, accumulated in pairs
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
 def test_loss_scale_optimizer(replicas):
     # Mixed precision's LossScaleOptimizer checks and unscales the summed micro-batch gradients.
     def build():

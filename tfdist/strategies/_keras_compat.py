@@ -171,17 +171,15 @@ def _apply(self, grads, trainable_variables=None):
         return None
     replica_context = tf.distribute.get_replica_context()
     strategy = tf.distribute.get_strategy()
-    if (
-        replica_context is None
-        or not _is_exact_strategy(strategy)
-        or strategy.num_replicas_in_sync == 1
-    ):
+    if replica_context is None or not _is_exact_strategy(strategy):
         return _original_apply(self, grads, trainable_variables)
     grads = list(grads)
-    present = [i for i, g in enumerate(grads) if g is not None]
-    reduced = strategy.extended._tfdist_all_reduce_gradients([grads[i] for i in present])
-    for i, g in zip(present, reduced):
-        grads[i] = g
+    if strategy.num_replicas_in_sync > 1:
+        present = [i for i, g in enumerate(grads) if g is not None]
+        reduced = strategy.extended._tfdist_all_reduce_gradients([grads[i] for i in present])
+        for i, g in zip(present, reduced):
+            grads[i] = g
+    # Even with one replica: Keras' accumulation step would call merge_call inside a cond.
 
     def apply_once(unused_strategy, reduced_grads):
         reduced_grads = [None if g is None else _as_mirrored(g) for g in reduced_grads]
