@@ -346,6 +346,7 @@ def test_balancer_costs(cost):
 
 
 def test_partition_minimizes_the_largest_stage():
+    assert tfdist.placement.pipeline is pipeline_lib  # reachable from the package, as documented
     assert pipeline_lib.partition([1, 1, 1, 1], 2) == [0, 0, 1, 1]
     assert pipeline_lib.partition([10, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], 2) == [0] + [1] * 10
     costs = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
