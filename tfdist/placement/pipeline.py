@@ -74,7 +74,7 @@ class PipelinePlan:
     @property
     def stage_costs(self) -> tuple[float, ...]:
         """Per stage, the sum of its layers' balancing cost."""
-        return tuple(sum(self.layer_costs[n] for n in names) for names in self.layers)
+        return _per_stage(self.layer_costs, self.layers)
 
     @property
     def imbalance(self) -> float:
@@ -87,7 +87,7 @@ class PipelinePlan:
         """This plan with each stage's forward+backward seconds measured (layer by layer, on zeros
         of `batch_size` rows; median of `rounds`), for `report()`."""
         seconds = {layer.name: layer_seconds(model, layer, batch_size, rounds) for layer in stage_units(model)}
-        return dataclasses.replace(self, seconds=tuple(sum(seconds[n] for n in names) for names in self.layers))
+        return dataclasses.replace(self, seconds=_per_stage(seconds, self.layers))
 
     @property
     def placement(self) -> dict[str, int]:
@@ -115,6 +115,11 @@ class PipelinePlan:
         how = "Placed by explicit rules; parameters" if self.cost == "explicit" else f"Balanced on {self.cost}"
         footer = f"\n{how}: max/mean stage cost {self.imbalance:.2f}."
         return "\n".join([head, rule, *rows]) + footer
+
+
+def _per_stage(per_layer: Mapping[str, float], layers) -> tuple:
+    """Per stage, the sum of `per_layer` over the stage's layer names."""
+    return tuple(sum(per_layer[n] for n in names) for names in layers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,10 +294,10 @@ def _plan_from_assignment(model, units, assigned, stages, *, cost, costs, second
                 )
     costs = costs or {layer.name: float(_params(layer)) for layer in units}
     per_stage = [tuple(n for n, s in zip(names, assigned) if s == k) for k in range(stages)]
-    params = tuple(sum(_params(u) for u, s in zip(units, assigned) if s == k) for k in range(stages))
-    nbytes = tuple(sum(_bytes(u) for u, s in zip(units, assigned) if s == k) for k in range(stages))
+    params = _per_stage({u.name: _params(u) for u in units}, per_stage)
+    nbytes = _per_stage({u.name: _bytes(u) for u in units}, per_stage)
     if seconds is not None:
-        seconds = tuple(sum(seconds[n] for n in per_stage[k]) for k in range(stages))
+        seconds = _per_stage(seconds, per_stage)
     return PipelinePlan(tuple(per_stage), cost, dict(costs), params, nbytes, seconds)
 
 

@@ -105,13 +105,18 @@ _replica_state = threading.local()
 
 
 @contextlib.contextmanager
-def _example_share(share):
-    previous = getattr(_replica_state, "share", None)
-    _replica_state.share = share
+def thread_local_scope(state: threading.local, name: str, value):
+    """Sets `state.<name>` to `value` on this thread meanwhile, then restores what it was."""
+    previous = getattr(state, name, None)
+    setattr(state, name, value)
     try:
         yield
     finally:
-        _replica_state.share = previous
+        setattr(state, name, previous)
+
+
+def _example_share(share):
+    return thread_local_scope(_replica_state, "share", share)
 
 
 def current_example_share():
@@ -610,12 +615,8 @@ _creating = threading.local()
 
 
 def _variable_initialize(self, value):
-    previous = getattr(_creating, "path", None)
-    _creating.path = self.path
-    try:
+    with thread_local_scope(_creating, "path", self.path):
         return _original_variable_initialize(self, value)
-    finally:
-        _creating.path = previous
 
 
 def creating_variable_path() -> str | None:
@@ -737,15 +738,9 @@ _original_layer_call = _keras_layer.__call__
 _original_gradient_function = tf_backprop._gradient_function
 
 
-@contextlib.contextmanager
 def stage_devices(devices):
     """While active on this thread, layer `id -> device` placement and gradient colocation apply."""
-    previous = getattr(_pipeline_state, "devices", None)
-    _pipeline_state.devices = devices
-    try:
-        yield
-    finally:
-        _pipeline_state.devices = previous
+    return thread_local_scope(_pipeline_state, "devices", devices)
 
 
 def _layer_call(self, *args, **kwargs):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import weakref
@@ -95,18 +94,10 @@ class _PipelineExtended(data_parallel._DataParallelExtended):
             self._colocated[id(variable)] = weakref.ref(colocate_with)
         return variable
 
-    @contextlib.contextmanager
-    def _placing_on(self, devices):
-        self._placing.devices = devices
-        try:
-            yield
-        finally:
-            self._placing.devices = None
-
     def _recreate(self, keras_variable, devices):
         """Moves a Keras variable's value to a new variable with copies on `devices`."""
         old = keras_variable.value
-        with self._container_strategy().scope(), self._placing_on(devices):
+        with self._container_strategy().scope(), _keras_compat.thread_local_scope(self._placing, "devices", devices):
             new = tf.Variable(
                 initial_value=tf.identity(old.read_value()),
                 trainable=old.trainable,
