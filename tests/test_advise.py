@@ -160,5 +160,10 @@ def test_binary_prints_advice(python_subprocess):
     assert bad.returncode == 2 and "--batch_size: 0 is not a positive integer" in bad.stderr
 
 
+def test_every_optimizer_choice_of_the_binary_is_a_keras_optimizer():
+    for name in advisor.OPTIMIZERS:
+        assert isinstance(keras.optimizers.get(name), keras.optimizers.Optimizer), name
+
+
 def test_recommendations_are_the_documented_ones():
     assert advisor.RECOMMENDATIONS == ("one device", "data parallel", "model parallel", "hybrid")

@@ -1,6 +1,7 @@
 """tfdist.cluster: discovery from arguments, TF_CONFIG and Slurm, and its errors (no processes)."""
 
 import json
+import time
 
 import pytest
 
@@ -101,7 +102,16 @@ def test_slurm_step_nodelist_wins():
     "env, match",
     [
         (slurm(0, 3), r"SLURM_NTASKS=3 does not split evenly over the 2 node\(s\) of 'node\[01-02\]'"),
-        (slurm(0, 1), r"SLURM_NTASKS=1 does not split evenly"),
+        (slurm(0, 1), r"SLURM_JOB_NODELIST='node\[01-02\]' names 2 node\(s\), more than SLURM_NTASKS=1"),
+        (slurm(0, 2, "n[0-999999999]"), r"SLURM_JOB_NODELIST='n\[0-999999999\]' names 1000000000 node\(s\)"),
+        (slurm(0, 4, "a[0-99999]b[0-99999]"), r"names 10000000000 node\(s\), more than SLURM_NTASKS=4"),
+        ({**slurm(0, 2), "SLURM_STEP_NODELIST": "s[1-9]"}, r"SLURM_STEP_NODELIST='s\[1-9\]' names 9 node"),
+        (slurm(0, "²"), r"SLURM_NTASKS='²' is missing or not an integer from 1 to 1000000"),
+        (slurm("٣", 2), r"SLURM_PROCID='٣' is missing or not an integer from 0"),
+        (slurm(0, "9" * 5000), r"SLURM_NTASKS='9{20}'\.\.\. \(5000 characters\) is missing or not an integer"),
+        (slurm(0, 0), r"SLURM_NTASKS='0' is missing or not an integer from 1"),
+        (slurm(0, -2), r"SLURM_NTASKS='-2'"),
+        (slurm(0, 2, "n[1-" + "9" * 30 + "]"), r"Bad range '1-9{30}'"),
         (slurm(2, 2), r"Task index 2 is out of range .* 2 task\(s\)"),
         ({**slurm(0, 2), "SLURM_PROCID": "x"}, r"SLURM_PROCID='x'"),
         ({"SLURM_JOB_NODELIST": "n1", "SLURM_PROCID": "0"}, r"SLURM_NTASKS=None"),
@@ -133,6 +143,8 @@ def test_slurm_bad_port(port):
         (tf_config(workers=["a:1"], chief="a:1"), r"repeated: \['a:1'\]"),
         (tf_config(workers=["a:1", "b:99999"]), r"Invalid port '99999' in worker address 'b:99999'"),
         (tf_config(workers=["a:1", "b:http"]), r"Invalid port 'http' in worker address 'b:http'"),
+        (tf_config(workers=["a:1", "b:²"]), r"Invalid port '²' in worker address 'b:²'"),
+        (tf_config(workers=["a:1", "b:" + "1" * 5000]), r"Invalid port '1{5000}'"),
         (tf_config(workers=["a:1", "b"]), r"Invalid worker address 'b' .*no port"),
         (tf_config(workers=["a:1", 7]), r"Invalid worker address 7"),
         (tf_config(task_type="ps"), r"Invalid task type 'ps'. Expected one of \('chief', 'worker'\)"),
@@ -179,6 +191,15 @@ def test_cluster_error_is_a_value_error_and_cluster_is_frozen():
 def test_join_timeout_from_environment():
     assert cluster.join_timeout(env={}) is None
     assert cluster.join_timeout(env={cluster.JOIN_TIMEOUT_ENV: "12.5"}) == 12.5
-    for bad in ("0", "-3", "soon"):
-        with pytest.raises(ClusterError, match=f"TFDIST_JOIN_TIMEOUT='{bad}'"):
+    assert cluster.join_timeout(env={cluster.JOIN_TIMEOUT_ENV: "1e9"}) == 1e9
+    for bad in ("0", "-3", "soon", "nan", "inf", "1e400", "1.5e9"):
+        with pytest.raises(ClusterError, match=rf"TFDIST_JOIN_TIMEOUT='{bad}'.*Expected a number in \(0, 1e\+09\]"):
             cluster.join_timeout(env={cluster.JOIN_TIMEOUT_ENV: bad})
+
+
+def test_a_large_slurm_job_resolves_quickly():
+    """100,000 tasks on 25,000 nodes: counting and checking stay linear (no quadratic duplicate search)."""
+    start = time.perf_counter()
+    c = cluster.resolve(env=slurm(99_999, 100_000, "n[00001-25000]"))
+    assert (c.num_workers, c.address) == (100_000, "n25000:8479")
+    assert time.perf_counter() - start < 5

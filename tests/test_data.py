@@ -1,6 +1,7 @@
 """tfdist.data: corpus discovery and loading, and the next-byte datasets cut from it."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -64,6 +65,41 @@ def test_load_corpus_without_text_names_the_path(tmp_path, files):
         (tmp_path / name).write_bytes(content)
     with pytest.raises(ValueError, match=f"{str(tmp_path)!r} holds no text.*non-empty.*UTF-8 text file"):
         data.load_corpus(tmp_path)
+
+
+def test_load_corpus_refuses_a_path_that_is_not_a_regular_file(tmp_path):
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=rf"{re.escape(repr(fifo))} is a FIFO, not a regular file\. Expected a text"):
+        data.load_corpus(fifo)
+    with pytest.raises(ValueError, match=r"'/dev/zero' is a character device, not a regular file"):
+        data.load_corpus("/dev/zero")
+
+
+def test_load_corpus_skips_fifos_in_a_directory_without_opening_them(tmp_path):
+    os.mkfifo(tmp_path / "a_pipe")  # sorted first: opening it for reading would block for ever
+    (tmp_path / "b.txt").write_text("text")
+    assert data.load_corpus(tmp_path) == b"text"
+    (tmp_path / "b.txt").unlink()
+    skipped = re.escape(f"0 file(s) found; not regular files, skipped: [{str(tmp_path / 'a_pipe')!r}]")
+    with pytest.raises(ValueError, match=rf"holds no text.*{skipped}"):
+        data.load_corpus(tmp_path)
+
+
+def test_load_corpus_reads_no_more_than_max_bytes(tmp_path):
+    huge = tmp_path / "huge.txt"
+    with open(huge, "wb") as f:
+        f.write(b"text")
+        f.truncate(2**40)  # a sparse 1 TiB file: reading it whole fails
+    assert data.load_corpus(huge, max_bytes=4) == b"text"
+    huge.unlink()
+    (tmp_path / "a.txt").write_text("x" * 5000)
+    (tmp_path / "b.txt").write_text("y" * 5000)
+    # read(max_bytes) would allocate max_bytes up front (MemoryError); a file cut inside a
+    # multi-byte character is still text.
+    assert data.load_corpus(tmp_path, max_bytes=10**15) == b"x" * 5000 + b"\n" + b"y" * 5000
+    (tmp_path / "c.txt").write_text("é" * 10, encoding="utf-8")
+    assert data.load_corpus(tmp_path / "c.txt", max_bytes=3) == "é".encode() + b"\xc3"
 
 
 def test_load_corpus_rejects_non_positive_max_bytes():

@@ -6,10 +6,16 @@ import tfdist
 from tfdist import devices
 
 
-@pytest.mark.parametrize("n", [0, -1, 2.5, "4", True, None])
+@pytest.mark.parametrize("n", [0, -1, 2.5, "4", True, None, devices.MAX_SIMULATED_DEVICES + 1, 100_000])
 def test_simulate_devices_rejects_bad_n(n):
-    with pytest.raises(ValueError, match=r"Received: n=.*integer >= 1"):
+    with pytest.raises(ValueError, match=r"Received: n=.*Expected an integer from 1 to 64\."):
         tfdist.simulate_devices(n)
+
+
+def test_host_memory_is_the_physical_memory():
+    with open("/proc/meminfo") as f:
+        total_kib = int(f.readline().split()[1])  # MemTotal: ... kB
+    assert devices.host_memory() == pytest.approx(total_kib * 1024, rel=0.01)
 
 
 def test_simulate_devices_same_count_again_is_a_no_op():

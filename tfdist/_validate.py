@@ -6,38 +6,77 @@ quotes what was passed and says what is valid.
 
 from __future__ import annotations
 
+import sys
+
+MAX_SECONDS = 1e9
+"""The longest duration (about 31 years) that `positive_number(..., unit="seconds")` accepts.
+
+In milliseconds or microseconds it still fits the 64-bit integers TensorFlow and the
+operating system convert durations to.
+"""
+
 
 def _fail(name: str, value, expected: str, where: str) -> ValueError:
     return ValueError(f"Invalid value for argument `{name}`{where}. Received: {name}={value!r}. Expected {expected}.")
 
 
-def integer(name: str, value, *, minimum: int = 1, allow_none: bool = False, where: str = "") -> int | None:
-    """Returns `value` if it is an int (not a bool) >= `minimum` (or None when allowed), else raises ValueError.
+def integer(
+    name: str, value, *, minimum: int = 1, maximum: int | None = None, allow_none: bool = False, where: str = ""
+) -> int | None:
+    """Returns `value` if it is an int (not a bool) from `minimum` to `maximum` (or None when allowed), else raises.
+
+    Raises:
+        ValueError: naming `name`, the value and the valid range.
 
     Example:
 
     >>> integer("keep", 3)
     3
+    >>> integer("n", 65, maximum=64)
+    Traceback (most recent call last):
+    ...
+    ValueError: Invalid value for argument `n`. Received: n=65. Expected an integer from 1 to 64.
     """
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        expected = f"an integer >= {minimum}" + (" (a positive integer)" if minimum == 1 else "")
+    in_range = isinstance(value, int) and minimum <= value and (maximum is None or value <= maximum)
+    if isinstance(value, bool) or not in_range:
+        if maximum is not None:
+            expected = f"an integer from {minimum} to {maximum}"
+        else:
+            expected = f"an integer >= {minimum}" + (" (a positive integer)" if minimum == 1 else "")
         raise _fail(name, value, expected + (" or None" if allow_none else ""), where)
     return value
 
 
-def positive_number(name: str, value, *, allow_none: bool = False, unit: str = "") -> float | None:
-    """Returns `value` as a float if it is a number > 0 (or None when allowed), else raises ValueError.
+def positive_number(
+    name: str, value, *, allow_none: bool = False, unit: str = "", maximum: float | None = None
+) -> float | None:
+    """Returns `value` as a float if it is a finite number > 0 (or None when allowed), else raises ValueError.
+
+    NaN and infinity are rejected. Durations (`unit="seconds"`) are at most
+    `MAX_SECONDS` unless `maximum` says otherwise.
+
+    Raises:
+        ValueError: naming `name`, the value and the valid range.
 
     Example:
 
     >>> positive_number("timeout", 30, unit="seconds")
     30.0
+    >>> positive_number("scale", float("nan"))
+    Traceback (most recent call last):
+    ...
+    ValueError: Invalid value for argument `scale`. Received: scale=nan. Expected a positive, finite number.
     """
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        expected = "a positive number" + (f" of {unit}" if unit else "") + (" or None" if allow_none else "")
-        raise _fail(name, value, expected, "")
+    if maximum is None and unit == "seconds":
+        maximum = MAX_SECONDS
+    limit = sys.float_info.max if maximum is None else maximum
+    # The comparison is False for NaN, infinity and ints too large for a float.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= limit:
+        expected = "a positive, finite number" + (f" of {unit}" if unit else "")
+        expected += "" if maximum is None else f", at most {maximum:g}"
+        raise _fail(name, value, expected + (", or None" if allow_none else ""), "")
     return float(value)

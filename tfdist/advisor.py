@@ -17,9 +17,11 @@ The `tfdist-advise` binary (`python -m tfdist.advisor`) does this for a referenc
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -148,11 +150,10 @@ def _device_memory(devices: list[str]) -> int | None:
             return int(float(out[index]) * 2**20)
         except (OSError, subprocess.SubprocessError, ValueError, IndexError):
             return None
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-    return ram // max(1, len(tf.config.list_logical_devices("CPU")))
+    from tfdist import devices as devices_lib
+
+    ram = devices_lib.host_memory()
+    return None if ram is None else ram // max(1, len(tf.config.list_logical_devices("CPU")))
 
 
 def _check_batch(batch):
@@ -499,36 +500,101 @@ def advise(
     )
 
 
+OPTIMIZERS = ("adadelta", "adafactor", "adagrad", "adam", "adamax", "adamw", "ftrl", "lion", "nadam", "rmsprop", "sgd")
+"""Valid values of `tfdist-advise --optimizer`: Keras optimizer names that need no arguments."""
+_LM_HEADS = 4  # attention heads of the reference LM
+MAX_ROUNDS = 100
+"""The most `tfdist-advise --rounds` (each round of each measurement lasts about 0.1 s)."""
+
+
+def _integer(minimum: int, maximum: int | None = None):
+    """An argparse type: an integer from `minimum` to `maximum`."""
+
+    if maximum is not None:
+        valid = f"an integer from {minimum} to {maximum}"
+    else:
+        valid = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+
+    def parse(text: str) -> int:
+        value = int(text) if re.fullmatch(r"\s*[+-]?[0-9]{1,18}\s*", text) else None
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"{text} is not {valid}")
+        return value
+
+    return parse
+
+
+def _gibibytes(text: str) -> int:
+    """An argparse type: a positive, finite number of GiB, returned in bytes."""
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = math.nan
+    if not 2**-30 <= gib < math.inf:  # False for NaN
+        raise argparse.ArgumentTypeError(f"{text} is not a positive, finite number of GiB (at least one byte)")
+    return int(gib * 2**30)
+
+
+def _reference_bytes(args, num_devices: int) -> int:
+    """Host memory that measuring the reference model surely takes.
+
+    The float32 weights of the model, of its one-device clone and of its copy on each device, one
+    batch, and for the LM the attention probabilities of the batch (kept for the backward pass).
+    """
+    if args.model == "mlp":
+        parameters = args.depth * (args.width**2 + args.width) + 10 * args.width + 10
+        batch = 4 * args.batch_size * (args.width + 1)
+    else:
+        from tfdist import models
+
+        parameters = models.transformer_lm_parameters(seq_len=args.seq_len, d_model=args.width, num_layers=args.depth)
+        batch = 4 * args.batch_size * args.seq_len * (2 + _LM_HEADS * args.seq_len * args.depth)
+    return 4 * parameters * (2 + num_devices) + batch
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage block) and exit status 2."""
+
+    def error(self, message: str):
+        from tfdist.flags import exit_with_error
+
+        exit_with_error(self.prog, f"{message} (see {self.prog} --help)")
+
+
 def run(argv: list[str] | None = None) -> int:
     """Entry point of `tfdist-advise`: advice for a reference model (MLP or transformer LM)."""
-    import argparse
+    from tfdist import devices as devices_lib
+    from tfdist.flags import exit_with_error
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tfdist-advise",
         description="Should I distribute? Measures a reference model on the devices at hand and recommends "
         "one device, data parallel, model parallel or hybrid, with the numbers behind it.",
     )
-
-    def positive(text: str) -> int:
-        value = int(text)
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-        return value
-
+    positive = _integer(1)
     parser.add_argument("--model", choices=("mlp", "lm"), default="mlp", help="mlp: Dense layers; lm: transformer_lm")
     parser.add_argument("--width", type=positive, default=512, help="MLP width / LM d_model")
     parser.add_argument("--depth", type=positive, default=3, help="MLP layers / LM blocks")
     parser.add_argument("--seq_len", type=positive, default=64, help="LM tokens per example")
     parser.add_argument("--batch_size", type=positive, default=256, help="global batch")
-    parser.add_argument("--optimizer", default="adam", help="a Keras optimizer name")
-    parser.add_argument("--num_devices", type=positive, default=4, help="simulated CPU devices (all GPUs if any)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="a Keras optimizer")
     parser.add_argument(
-        "--threads_per_device", type=int, default=0,
-        help="on CPUs: intra-op threads (0: TensorFlow's default, every device uses all cores)",
+        "--num_devices", type=_integer(1, devices_lib.MAX_SIMULATED_DEVICES), default=4,
+        help=f"simulated CPU devices, 1 to {devices_lib.MAX_SIMULATED_DEVICES} (all GPUs if any)",
     )
-    parser.add_argument("--rounds", type=positive, default=5)
-    parser.add_argument("--device_memory_gib", type=float, default=None, help="memory per device (default: measured)")
+    cores = os.cpu_count() or 1
+    parser.add_argument(
+        "--threads_per_device", type=_integer(0, cores), default=0,
+        help=f"on CPUs: intra-op threads, 0 to {cores} (0: TensorFlow's default, every device uses all cores)",
+    )
+    parser.add_argument("--rounds", type=_integer(1, MAX_ROUNDS), default=5, help=f"timing rounds, 1 to {MAX_ROUNDS}")
+    parser.add_argument(
+        "--device_memory_gib", type=_gibibytes, default=None, dest="device_memory",
+        help="memory per device in GiB (default: measured)",
+    )
     args = parser.parse_args(argv)
+    if args.model == "lm" and args.width % _LM_HEADS:
+        parser.error(f"argument --width: {args.width} is not a multiple of {_LM_HEADS}, the LM's attention heads")
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from tfdist._native_log import native_stderr_silenced
@@ -537,12 +603,23 @@ def run(argv: list[str] | None = None) -> int:
         import tensorflow as tf
 
         gpus = tf.config.list_physical_devices("GPU")
-    from tfdist import devices as devices_lib
-
     if not gpus:
         if args.threads_per_device:  # before simulate_devices, which starts TensorFlow's runtime
             tf.config.threading.set_intra_op_parallelism_threads(args.threads_per_device)
         devices_lib.simulate_devices(args.num_devices)
+    n = len(devices_lib.default_devices())
+    if args.batch_size < n:
+        exit_with_error(parser.prog, f"--batch_size={args.batch_size} is less than the {n} devices. Expected >= {n}.")
+    memory = devices_lib.host_memory() if not gpus else None
+    need = _reference_bytes(args, n)
+    if memory is not None and need > memory:
+        exit_with_error(
+            parser.prog,
+            f"--model={args.model} --width={args.width} --depth={args.depth} --batch_size={args.batch_size}"
+            + (f" --seq_len={args.seq_len}" if args.model == "lm" else "")
+            + f": measuring it on {n} device(s) needs at least {need / 2**30:,.1f} GiB, more than this machine's "
+            f"{memory / 2**30:,.1f} GiB. Expected sizes that fit: lower them.",
+        )
     import keras
     import numpy as np
 
@@ -559,16 +636,16 @@ def run(argv: list[str] | None = None) -> int:
         x = rng.normal(size=(args.batch_size, args.width)).astype("float32")
         y = rng.integers(0, 10, size=(args.batch_size,)).astype("int32")
     else:
-        model = models.transformer_lm(seq_len=args.seq_len, d_model=args.width, num_layers=args.depth)
+        model = models.transformer_lm(
+            seq_len=args.seq_len, d_model=args.width, num_heads=_LM_HEADS, num_layers=args.depth
+        )
         x = rng.integers(0, 256, size=(args.batch_size, args.seq_len)).astype("int32")
         y = rng.integers(0, 256, size=(args.batch_size, args.seq_len)).astype("int32")
     model.compile(optimizer=args.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    memory = None if args.device_memory_gib is None else int(args.device_memory_gib * 2**30)
     try:
-        advice = advise(model, (x, y), rounds=args.rounds, device_memory=memory)
+        advice = advise(model, (x, y), rounds=args.rounds, device_memory=args.device_memory)
     except ValueError as e:
-        print(f"tfdist-advise: error: {e}", file=sys.stderr)
-        return 2
+        exit_with_error(parser.prog, str(e))
     print(f"model: {args.model}, {model.count_params():,} parameters, {args.optimizer}")
     print(advice)
     return 0

@@ -10,13 +10,17 @@ the chief, when there is one, counts as worker 0.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
 from collections.abc import Sequence
+
+from tfdist import _validate
 
 DEFAULT_SLURM_PORT = 8476
 """Port of the first task on each Slurm node; the k-th task on a node uses this + k."""
@@ -40,7 +44,7 @@ def _check_address(address, where: str) -> str:
             f"Invalid worker address {address!r} in {where}: no port. Expected 'host:port', "
             "e.g. '10.0.0.1:12345'."
         )
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
         raise ClusterError(
             f"Invalid port {port!r} in worker address {address!r} in {where}. "
             "Expected an integer from 1 to 65535."
@@ -96,7 +100,7 @@ class Cluster:
         addresses = self.addresses
         if not addresses:
             raise ClusterError("The cluster has no workers. Expected at least one 'host:port'.")
-        repeated = sorted({a for a in addresses if addresses.count(a) > 1})
+        repeated = sorted(a for a, n in collections.Counter(addresses).items() if n > 1)
         if repeated:
             raise ClusterError(f"Each worker address may appear once; repeated: {repeated}.")
         size = 1 if self.task_type == "chief" else len(self.workers)
@@ -209,7 +213,72 @@ def from_tf_config(text: str) -> Cluster:
     )
 
 
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+# ASCII digits only: `str.isdigit` also accepts characters such as "²" that int() rejects.
+_RANGE = re.compile(r"^([0-9]{1,18})(?:-([0-9]{1,18}))?$")
+_MAX_SLURM_TASKS = 1_000_000
+
+
+def _split_top_level(nodelist: str) -> list[str]:
+    """The comma-separated items of a node list, commas inside brackets kept."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if depth not in (0, 1):
+            raise ClusterError(f"Unbalanced brackets in Slurm node list {nodelist!r}.")
+        if ch == "," and depth == 0:
+            items.append(nodelist[start:i])
+            start = i + 1
+    if depth:
+        raise ClusterError(f"Unbalanced brackets in Slurm node list {nodelist!r}.")
+    items.append(nodelist[start:])
+    return items
+
+
+def _ranges(part: str, nodelist: str) -> list[tuple[str, str]]:
+    """The (first, last) numbers of each range in a bracket part such as "[01-04,07]"."""
+    ranges = []
+    for rng in part[1:-1].split(","):
+        m = _RANGE.match(rng.strip())
+        if not m or (m.group(2) and int(m.group(2)) < int(m.group(1))):
+            raise ClusterError(f"Bad range {rng!r} in Slurm node list {nodelist!r}. Expected e.g. '01-04' or '7'.")
+        ranges.append((m.group(1), m.group(2) or m.group(1)))
+    return ranges
+
+
+def _parse_nodelist(nodelist: str) -> list[list]:
+    """A node list's items, each a list of parts: a literal string, or a bracket's (first, last) ranges."""
+    if not isinstance(nodelist, str) or not nodelist.strip():
+        raise ClusterError(f"Invalid Slurm node list {nodelist!r}. Expected e.g. 'node[01-04,07]'.")
+    items = []
+    for item in _split_top_level(nodelist):
+        parts = re.split(r"(\[[^\]]*\])", item.strip())
+        items.append([_ranges(p, nodelist) if p.startswith("[") and p.endswith("]") else p for p in parts])
+    return items
+
+
+def _count_hosts(items: list[list]) -> int:
+    """How many hosts the parsed node list names, without expanding it."""
+    return sum(
+        math.prod(sum(int(hi) - int(lo) + 1 for lo, hi in p) for p in parts if not isinstance(p, str))
+        for parts in items
+    )
+
+
+def _expand(items: list[list], nodelist: str) -> list[str]:
+    hosts = []
+    for parts in items:
+        choices = [
+            [p] if isinstance(p, str) else [str(n).zfill(len(lo)) for lo, hi in p for n in range(int(lo), int(hi) + 1)]
+            for p in parts
+        ]
+        names = ["".join(p) for p in itertools.product(*choices)]
+        if not all(names):
+            raise ClusterError(f"Empty host name in Slurm node list {nodelist!r}.")
+        hosts += names
+    return hosts
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -229,52 +298,17 @@ def expand_nodelist(nodelist: str) -> list[str]:
     >>> expand_nodelist("node[01-03,07],gpu1")
     ['node01', 'node02', 'node03', 'node07', 'gpu1']
     """
-    if not isinstance(nodelist, str) or not nodelist.strip():
-        raise ClusterError(f"Invalid Slurm node list {nodelist!r}. Expected e.g. 'node[01-04,07]'.")
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(nodelist):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        if depth not in (0, 1):
-            raise ClusterError(f"Unbalanced brackets in Slurm node list {nodelist!r}.")
-        if ch == "," and depth == 0:
-            items.append(nodelist[start:i])
-            start = i + 1
-    if depth:
-        raise ClusterError(f"Unbalanced brackets in Slurm node list {nodelist!r}.")
-    items.append(nodelist[start:])
-    hosts = []
-    for item in items:
-        parts = re.split(r"(\[[^\]]*\])", item.strip())
-        choices = []
-        for part in parts:
-            if not (part.startswith("[") and part.endswith("]")):
-                choices.append([part])
-                continue
-            expanded = []
-            for rng in part[1:-1].split(","):
-                m = _RANGE.match(rng.strip())
-                if not m or (m.group(2) and int(m.group(2)) < int(m.group(1))):
-                    raise ClusterError(
-                        f"Bad range {rng!r} in Slurm node list {nodelist!r}. Expected e.g. '01-04' or '7'."
-                    )
-                lo, hi = m.group(1), m.group(2) or m.group(1)
-                width = len(lo)
-                expanded += [str(n).zfill(width) for n in range(int(lo), int(hi) + 1)]
-            choices.append(expanded)
-        names = ["".join(p) for p in itertools.product(*choices)]
-        if not all(names):
-            raise ClusterError(f"Empty host name in Slurm node list {nodelist!r}.")
-        hosts += names
-    return hosts
+    return _expand(_parse_nodelist(nodelist), nodelist)
 
 
-def _env_int(env: Mapping[str, str], name: str) -> int:
+def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int:
     value = env.get(name)
-    if value is None or not value.strip().isdigit():
-        raise ClusterError(f"Slurm variable {name}={value!r} is missing or not a non-negative integer.")
+    digits = None if value is None else re.fullmatch(r"[0-9]{1,7}", value.strip())
+    if not digits or not minimum <= int(value) <= _MAX_SLURM_TASKS:
+        shown = repr(value) if value is None or len(value) <= 40 else f"{value[:20]!r}... ({len(value)} characters)"
+        raise ClusterError(
+            f"Slurm variable {name}={shown} is missing or not an integer from {minimum} to {_MAX_SLURM_TASKS}."
+        )
     return int(value)
 
 
@@ -291,16 +325,25 @@ def from_slurm(env: Mapping[str, str], port: int = DEFAULT_SLURM_PORT) -> Cluste
         The validated `Cluster`; Slurm rank r is worker r.
 
     Raises:
-        ClusterError: for missing variables, a bad port, or more nodes than
-            tasks / tasks not dividing evenly over the nodes.
+        ClusterError: for missing or non-integer variables, a bad port, more
+            nodes than tasks (refused before the node list is expanded), or
+            tasks not dividing evenly over the nodes.
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise ClusterError(f"Invalid Slurm base port {port!r}. Expected an integer from 1 to 65535.")
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-    hosts = expand_nodelist(nodelist)
-    ntasks = _env_int(env, "SLURM_NTASKS")
-    rank = _env_int(env, "SLURM_PROCID")
-    if ntasks < len(hosts) or ntasks % len(hosts):
+    name = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+    nodelist = env.get(name)
+    ntasks = _env_int(env, "SLURM_NTASKS", minimum=1)
+    rank = _env_int(env, "SLURM_PROCID", minimum=0)
+    items = _parse_nodelist(nodelist)
+    count = _count_hosts(items)
+    if count > ntasks:  # refused before it is expanded: n[0-999999999] costs no memory
+        raise ClusterError(
+            f"{name}={nodelist!r} names {count} node(s), more than SLURM_NTASKS={ntasks}. Expected at most "
+            f"{ntasks} node(s): every node runs at least one task."
+        )
+    hosts = _expand(items, nodelist)
+    if ntasks % len(hosts):
         raise ClusterError(
             f"SLURM_NTASKS={ntasks} does not split evenly over the {len(hosts)} node(s) of {nodelist!r}. "
             "Use the same number of tasks on every node (e.g. --ntasks-per-node)."
@@ -368,7 +411,7 @@ def join_timeout(env: Mapping[str, str] | None = None) -> float | None:
         env: the environment to read; defaults to `os.environ`.
 
     Raises:
-        ClusterError: when `TFDIST_JOIN_TIMEOUT` is not a positive number.
+        ClusterError: when `TFDIST_JOIN_TIMEOUT` is not a number of seconds in (0, 1e9].
 
     Example:
 
@@ -382,7 +425,10 @@ def join_timeout(env: Mapping[str, str] | None = None) -> float | None:
     try:
         seconds = float(value)
     except ValueError:
-        seconds = 0.0
-    if not seconds > 0:
-        raise ClusterError(f"{JOIN_TIMEOUT_ENV}={value!r} is not a positive number of seconds.")
+        seconds = math.nan
+    if not 0 < seconds <= _validate.MAX_SECONDS:  # False for NaN and infinity too
+        raise ClusterError(
+            f"{JOIN_TIMEOUT_ENV}={value!r} is not a positive number of seconds. Expected a number in "
+            f"(0, {_validate.MAX_SECONDS:g}]."
+        )
     return seconds

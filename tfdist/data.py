@@ -7,18 +7,24 @@ text file or directory of text files works too.
 
 from __future__ import annotations
 
+import codecs
 import math
 import os
+import stat
 import sysconfig
+from typing import TYPE_CHECKING
 
 import numpy as np
-import tensorflow as tf
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 DEFAULT_MAX_BYTES = 4_000_000
 """`load_corpus` reads at most this many bytes unless told otherwise."""
 
 _SKIPPED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 _SEPARATOR = b"\n"
+_READ_CHUNK = 1 << 20
 
 
 def _walk_sorted(root: str, skip_dir) -> list[str]:
@@ -61,17 +67,46 @@ def stdlib_corpus_files() -> list[str]:
     return files
 
 
-def _read_text(path: str) -> bytes:
-    """The bytes of `path` if it is readable UTF-8 text without NUL bytes, else b""."""
+_FILE_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _kind(mode: int) -> str:
+    """What a `st_mode` that is neither a regular file nor a directory is, in words."""
+    return next((name for is_kind, name in _FILE_KINDS if is_kind(mode)), "not a regular file")
+
+
+def _is_regular_file(path: str) -> bool:
+    """True for a regular file (or a link to one); never opens `path`, so a FIFO cannot block."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _read_text(path: str, limit: int) -> bytes:
+    """Up to `limit` bytes of `path` if they are readable UTF-8 text without NUL bytes, else b""."""
+    chunks, left = [], limit
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            while left > 0:  # read(limit) would allocate `limit` bytes up front
+                chunk = f.read(min(left, _READ_CHUNK))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
     except OSError:
         return b""
+    data = b"".join(chunks)
     if b"\0" in data:
         return b""
     try:
-        data.decode("utf-8")
+        # A file cut at `limit` may end inside a multi-byte character.
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=len(data) < limit)
     except UnicodeDecodeError:
         return b""
     return data
@@ -83,8 +118,10 @@ def load_corpus(path: str | os.PathLike | None = None, *, max_bytes: int = DEFAU
     Reads one text file, or every text file under a directory (recursively, in
     sorted order, hidden entries skipped), or with `path=None` the Python
     standard library's source (`stdlib_corpus_files`). Files that are not UTF-8
-    text (binary files) are skipped. Files are joined with a newline and the
-    result is cut at `max_bytes`.
+    text (binary files) and entries that are not regular files (FIFOs,
+    sockets, devices: never opened, so reading cannot block) are skipped.
+    Files are joined with a newline and the result is cut at `max_bytes`; no
+    more than `max_bytes` bytes are read.
 
     Args:
         path: a text file or a directory of text files; None for the standard
@@ -95,8 +132,9 @@ def load_corpus(path: str | os.PathLike | None = None, *, max_bytes: int = DEFAU
         The corpus, at most `max_bytes` long and never empty.
 
     Raises:
-        ValueError: if `path` does not exist, holds no non-empty text file, or
-            `max_bytes` is not a positive integer.
+        ValueError: if `path` does not exist, is neither a regular file nor a
+            directory, holds no non-empty text file, or `max_bytes` is not a
+            positive integer.
 
     Example:
 
@@ -114,16 +152,30 @@ def load_corpus(path: str | os.PathLike | None = None, *, max_bytes: int = DEFAU
     else:
         path = os.fspath(path)
         source = repr(path)
-        if os.path.isdir(path):
+        try:
+            mode = os.stat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            raise ValueError(
+                f"Corpus path {path!r} does not exist. Expected a text file or a directory of text files."
+            ) from None
+        except OSError as e:
+            raise ValueError(f"Corpus path {path!r} cannot be read: {e.strerror}.") from None
+        if stat.S_ISDIR(mode):
             files = _walk_sorted(path, lambda d: d.startswith(".") or d == "__pycache__")
             files = [f for f in files if not os.path.basename(f).startswith(".")]
-        elif os.path.isfile(path):
+        elif stat.S_ISREG(mode):
             files = [path]
         else:
-            raise ValueError(f"Corpus path {path!r} does not exist. Expected a text file or a directory of text files.")
-    pieces, size = [], 0
+            raise ValueError(
+                f"Corpus path {path!r} is {_kind(mode)}, not a regular file. Expected a text file or a "
+                "directory of text files."
+            )
+    pieces, size, irregular = [], 0, []
     for f in files:
-        text = _read_text(f)
+        if not _is_regular_file(f):
+            irregular.append(f)
+            continue
+        text = _read_text(f, max_bytes - size)
         if not text:
             continue
         if pieces:
@@ -134,9 +186,11 @@ def load_corpus(path: str | os.PathLike | None = None, *, max_bytes: int = DEFAU
         if size >= max_bytes:
             break
     if not pieces:
+        skipped = f"; not regular files, skipped: {irregular}" if irregular else ""
         raise ValueError(
             f"Corpus path {source} holds no text: expected a text file or a directory containing at least "
-            f"one non-empty, readable UTF-8 text file (binary files are skipped; {len(files)} file(s) found)."
+            f"one non-empty, readable UTF-8 text file (binary files are skipped; "
+            f"{len(files) - len(irregular)} file(s) found{skipped})."
         )
     return b"".join(pieces)[:max_bytes]
 
@@ -223,6 +277,8 @@ def lm_datasets(
     >>> inputs.shape, targets.shape
     (TensorShape([2, 4]), TensorShape([2, 4]))
     """
+    import tensorflow as tf
+
     _check_positive_int("seq_len", seq_len)
     _check_positive_int("global_batch_size", global_batch_size)
     is_number = isinstance(heldout_fraction, (int, float)) and not isinstance(heldout_fraction, bool)

@@ -3,12 +3,19 @@
 TensorFlow fixes the set of logical devices when its runtime starts (the first
 op, the first `tf.config.list_logical_devices()`, the first strategy). Splitting
 the host CPU into several logical devices therefore has to happen before that;
-`simulate_devices` does it and says clearly when it is too late.
+`simulate_devices` does it and says clearly when it is too late. Importing this
+module does not import TensorFlow (binaries check their flags against
+`MAX_SIMULATED_DEVICES` first).
 """
 
 from __future__ import annotations
 
-import tensorflow as tf
+import os
+
+from tfdist import _validate
+
+MAX_SIMULATED_DEVICES = 64
+"""The most logical CPU devices `simulate_devices` makes (TensorFlow's start-up time grows with the count)."""
 
 
 def simulate_devices(n: int) -> list[str]:
@@ -20,13 +27,13 @@ def simulate_devices(n: int) -> list[str]:
     `n` is a no-op.
 
     Args:
-        n: number of logical CPU devices, at least 1.
+        n: number of logical CPU devices, from 1 to `MAX_SIMULATED_DEVICES`.
 
     Returns:
         The names of the logical CPU devices, e.g. `["/device:CPU:0", ...]`.
 
     Raises:
-        ValueError: if `n` is not an integer >= 1.
+        ValueError: if `n` is not an integer from 1 to `MAX_SIMULATED_DEVICES`.
         RuntimeError: if TensorFlow's runtime is already initialized with a
             different number of logical CPUs.
 
@@ -36,11 +43,9 @@ def simulate_devices(n: int) -> list[str]:
     >>> tfdist.simulate_devices(4)[-1]
     '/device:CPU:3'
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(
-            f"Invalid value for argument `n` of simulate_devices(). Received: n={n!r}. "
-            "Expected an integer >= 1 (the number of logical CPU devices)."
-        )
+    _validate.integer("n", n, maximum=MAX_SIMULATED_DEVICES, where=" of simulate_devices()")
+    import tensorflow as tf
+
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
     try:
@@ -60,6 +65,20 @@ def simulate_devices(n: int) -> list[str]:
     return [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
+def host_memory() -> int | None:
+    """Bytes of this machine's physical memory (shared by all logical CPU devices), or None when unknown.
+
+    Example:
+
+    >>> host_memory() > 0
+    True
+    """
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def default_devices() -> list[str]:
     """Returns the devices a data-parallel strategy uses by default.
 
@@ -72,6 +91,8 @@ def default_devices() -> list[str]:
     >>> len(tfdist.devices.default_devices()) >= 1
     True
     """
+    import tensorflow as tf
+
     gpus = tf.config.list_logical_devices("GPU")
     if gpus:
         return [d.name for d in gpus]
@@ -86,6 +107,8 @@ def canonical_device(name: str) -> str:
     Raises:
         ValueError: if no logical device of that name exists.
     """
+    import tensorflow as tf
+
     available = [d.name for d in tf.config.list_logical_devices()]
     try:
         spec = tf.DeviceSpec.from_string(name if name.startswith("/") else "/device:" + name)

@@ -6,25 +6,101 @@ in `main()` calls `configure_devices_from_flags()` before anything touches
 TensorFlow's runtime, then `strategy_from_flags()`.
 
 Every flag has a default; bad values fail at parse time with absl's message
-naming the flag (e.g. `flag --global_batch_size=0: 0 is not a positive
-integer`, `flag --strategy=bogus: value should be one of <auto|data>`).
+naming the flag and the valid range (e.g. `flag --global_batch_size=0: 0 is
+not a positive integer`, `flag --seed=-1: -1 is not an integer in the range
+[0, 4294967295]`, `flag --strategy=bogus: value should be one of <auto|data>`);
+`parse_flags_or_exit` turns it into one line and exit status 2. Importing this
+module and parsing flags does not import TensorFlow, so a bad flag fails at
+once.
 """
 
 from __future__ import annotations
 
-import tensorflow as tf
+import math
+import os
+import stat
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from typing import NoReturn
+
 from absl import flags
 
 from tfdist import cluster as cluster_lib
 from tfdist import data as data_lib
 from tfdist import devices as devices_lib
-from tfdist.strategies.data_parallel import DataParallelStrategy
-from tfdist.strategies.multi_worker import MultiWorkerStrategy
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 FLAGS = flags.FLAGS
 
 STRATEGIES = ("auto", "data", "multi_worker")
 """Valid values of --strategy."""
+
+MAX_SEED = 2**32 - 1
+"""The largest --seed (what `keras.utils.set_random_seed` and NumPy accept)."""
+
+
+def exit_with_error(prog: str, message: str) -> NoReturn:
+    """Ends a binary with `<prog>: error: <message>` as one line on stderr and exit status 2.
+
+    Args:
+        prog: the binary's name, e.g. "tfdist-train".
+        message: what is wrong, naming the flag, variable or path and what is valid; line breaks
+            in it become spaces.
+    """
+    sys.stderr.write(f"{prog}: error: {' '.join(str(message).split())}\n")
+    sys.stderr.flush()
+    sys.exit(2)
+
+
+def parse_flags_or_exit(argv: Sequence[str], *, prog: str, flag_values: flags.FlagValues = FLAGS) -> list[str]:
+    """Parses `argv` into `flag_values`; a bad flag ends the binary with one line and exit status 2.
+
+    Pass it to `absl.app.run` (absl's own parser prints two lines and exits with 1):
+    `app.run(main, flags_parser=functools.partial(parse_flags_or_exit, prog="tfdist-train"))`.
+
+    Args:
+        argv: the command line, program name first.
+        prog: the binary's name for the error line.
+        flag_values: the `absl.flags.FlagValues` to parse into.
+
+    Returns:
+        The arguments that are not flags, program name first.
+
+    Example:
+
+    >>> from absl import flags
+    >>> fv = flags.FlagValues()
+    >>> define_flags(fv)
+    >>> parse_flags_or_exit(["prog", "--seed=7"], prog="prog", flag_values=fv), fv.seed
+    (['prog'], 7)
+    """
+    try:
+        _check_flagfiles(argv)
+        return flag_values(list(argv))
+    except flags.Error as e:
+        exit_with_error(prog, f"{e} (see {prog} --helpshort)")
+
+
+def _check_flagfiles(argv: Sequence[str]) -> None:
+    """Refuses a --flagfile that is not a regular file: absl would block reading a FIFO, or never end."""
+    args = list(argv[1:])
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return
+        name, has_value, path = arg.lstrip("-").partition("=")
+        if not arg.startswith("-") or name != "flagfile":
+            continue
+        if not has_value:
+            path = args[i + 1] if i + 1 < len(args) else ""
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            continue  # absl says it cannot open it
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise flags.Error(f"flag --flagfile={path}: {path!r} is not a regular file")
 
 
 def _define(kind: str, name: str, default, help_text: str, flag_values: flags.FlagValues, **kwargs) -> bool:
@@ -66,10 +142,12 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
         "integer",
         "num_devices",
         4,
-        "On a machine without GPUs, split the CPU into this many simulated devices "
-        "(tfdist.simulate_devices). With GPUs, all GPUs are used and this flag is ignored.",
+        f"On a machine without GPUs, split the CPU into this many simulated devices "
+        f"(tfdist.simulate_devices), 1 to {devices_lib.MAX_SIMULATED_DEVICES}. With GPUs, all GPUs are used "
+        "and this flag is ignored.",
         flag_values,
-        **positive,
+        lower_bound=1,
+        upper_bound=devices_lib.MAX_SIMULATED_DEVICES,
     )
     _define("integer", "global_batch_size", 32, "Examples per step over all replicas.", flag_values, **positive)
     _define("integer", "epochs", 1, "Number of epochs.", flag_values, **positive)
@@ -86,12 +164,16 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     if _define("integer", "num_heads", 4, "Attention heads; must divide --d_model.", flag_values, **positive):
         flags.register_multi_flags_validator(
             ["d_model", "num_heads"],
-            lambda f: f["d_model"] % f["num_heads"] == 0,
+            lambda f: f["num_heads"] < 1 or f["d_model"] % f["num_heads"] == 0,  # < 1: its own bound fails
             message="--num_heads must divide --d_model",
             flag_values=flag_values,
         )
     _define("integer", "num_layers", 2, "Number of transformer blocks.", flag_values, **positive)
-    _define("float", "learning_rate", 3e-3, "Peak AdamW learning rate.", flag_values, lower_bound=0.0)
+    lr_help = "Peak AdamW learning rate, finite and >= 0."
+    if _define("float", "learning_rate", 3e-3, lr_help, flag_values, lower_bound=0.0):
+        flags.register_validator(
+            "learning_rate", math.isfinite, message="expected a finite number >= 0", flag_values=flag_values
+        )
     _define(
         "string",
         "corpus",
@@ -115,7 +197,15 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
         "default: a new temporary directory.",
         flag_values,
     )
-    _define("integer", "seed", 0, "Seed for weight initialization and data order.", flag_values)
+    _define(
+        "integer",
+        "seed",
+        0,
+        f"Seed for weight initialization and data order, 0 to {MAX_SEED}.",
+        flag_values,
+        lower_bound=0,
+        upper_bound=MAX_SEED,
+    )
 
 
 def resolved_strategy_name(flag_values: flags.FlagValues = FLAGS) -> str:
@@ -168,6 +258,8 @@ def configure_devices_from_flags(flag_values: flags.FlagValues = FLAGS) -> list[
     """
     if resolved_strategy_name(flag_values) == "multi_worker":
         return []  # MultiWorkerStrategy must be built before TensorFlow's runtime starts.
+    import tensorflow as tf
+
     if not tf.config.list_physical_devices("GPU"):
         devices_lib.simulate_devices(flag_values.num_devices)
     return devices_lib.default_devices()
@@ -205,7 +297,11 @@ def strategy_from_flags(
     """
     name = resolved_strategy_name(flag_values)
     if name == "data":
+        from tfdist.strategies.data_parallel import DataParallelStrategy
+
         return DataParallelStrategy()
     if name == "multi_worker":
+        from tfdist.strategies.multi_worker import MultiWorkerStrategy
+
         return MultiWorkerStrategy(sharding=data_sharding)
     raise ValueError(f"Invalid value for flag --strategy. Received: --strategy={name!r}. Expected one of {STRATEGIES}.")

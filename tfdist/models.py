@@ -129,6 +129,27 @@ class TransformerBlock(keras.layers.Layer):
         }
 
 
+def transformer_lm_parameters(
+    *, seq_len: int, vocab_size: int = 256, d_model: int = 128, num_layers: int = 2, mlp_dim: int | None = None
+) -> int:
+    """The number of weights `transformer_lm` makes with these sizes, computed without building it.
+
+    `num_heads` does not change it (the heads split `d_model`).
+
+    Example:
+
+    >>> transformer_lm_parameters(seq_len=16, d_model=32, num_layers=1) == transformer_lm(
+    ...     seq_len=16, d_model=32, num_heads=2, num_layers=1).count_params()
+    True
+    """
+    mlp_dim = 4 * d_model if mlp_dim is None else mlp_dim
+    attention = 4 * (d_model * d_model + d_model)  # query, key, value, output: kernel and bias each
+    mlp = 2 * d_model * mlp_dim + mlp_dim + d_model
+    block = 2 * 2 * d_model + attention + mlp  # two LayerNorms (gamma, beta)
+    embeddings = (vocab_size + seq_len) * d_model
+    return embeddings + num_layers * block + 2 * d_model + d_model * vocab_size + vocab_size
+
+
 def transformer_lm(
     *,
     seq_len: int,
