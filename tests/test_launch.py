@@ -10,10 +10,10 @@ import time
 import _procs
 import numpy as np
 import pytest
+from _launchers import LAUNCH
+from _launchers import NETWORKS
 
 from tfdist import launch
-
-LAUNCH = [sys.executable, "-m", "tfdist.launch"]
 
 # A worker that reports its TF_CONFIG, then behaves as its argv says.
 WORKER = r"""
@@ -28,8 +28,8 @@ if mode == "fail" and i == 1:
     time.sleep(1)
     sys.exit(5)
 if mode == "trap":
-    signal.signal(signal.SIGTERM, lambda s, f: (print("got signal", s, flush=True), sys.exit(0)))
-    signal.signal(signal.SIGINT, lambda s, f: (print("got signal", s, flush=True), sys.exit(0)))
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda s, f: (print("got signal", s, flush=True), sys.exit(0)))
 if mode == "ignore":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if mode != "ok":
@@ -83,9 +83,9 @@ def test_a_failed_worker_stops_the_others_and_sets_the_exit_status():
     assert_gone(pids(result.stdout, 3))
 
 
-def _start_and_signal(mode, sig, grace="30"):
+def _start_and_signal(mode, sig, grace="30", network="auto"):
     proc = subprocess.Popen(
-        launch_cmd("-n", "2", "--grace", grace, mode=mode),
+        launch_cmd("-n", "2", "--grace", grace, f"--network={network}", mode=mode),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -108,9 +108,10 @@ def _start_and_signal(mode, sig, grace="30"):
             proc.wait()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signals_are_forwarded_to_every_worker(sig):
-    code, output, _ = _start_and_signal("trap", sig)
+@pytest.mark.parametrize("network", NETWORKS)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_signals_are_forwarded_to_every_worker(sig, network):
+    code, output, _ = _start_and_signal("trap", sig, network=network)
     assert code == 128 + sig, output
     for i in range(2):
         assert f"got signal {int(sig)}" in worker_lines(output, i), output
@@ -138,37 +139,73 @@ def test_workers_that_never_join_are_bounded():
     assert_gone(pids(result.stdout, 2))
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))  # a directory
+NOT_EXECUTABLE = os.path.join(HERE, "_procs.py")  # a file without the executable bit
+SECONDS = "Expected a positive, finite number of seconds"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["-n", "2"], "no command given"),
-        (["-n", "0", "--", "true"], "-n/--num_workers must be >= 1; received 0"),
-        (["-n", "2", "--join_timeout", "0", "--", "true"], "must be positive"),
-        (["--", "true"], "the following arguments are required: -n"),
+        (["--", "true"], "the following arguments are required: -n/--num_workers"),
+        (["-n", "two", "--", "true"], "argument -n/--num_workers: invalid int value: 'two'"),
+        (["-n", "0", "--", "true"], "num_workers=0. Expected an integer from 1 to 256"),
+        (["-n", "100000", "--", "true"], "num_workers=100000. Expected an integer from 1 to 256"),
+        (["-n", "2", "--join_timeout", "0", "--", "true"], "join_timeout=0.0. " + SECONDS),
+        (["-n", "2", "--join_timeout=inf", "--", "true"], "join_timeout=inf. " + SECONDS),
+        (["-n", "2", "--join_timeout=nan", "--", "true"], "join_timeout=nan. " + SECONDS),
+        (["-n", "2", "--grace=nan", "--", "true"], "grace=nan. " + SECONDS),
+        (["-n", "2", "--grace=inf", "--", "true"], "grace=inf. " + SECONDS),
+        (["-n", "2", "--network=open", "--", "true"], "argument --network: invalid choice: 'open' (choose from"),
+        (["-n", "2", "--", HERE], f"command=[{HERE!r}]; {HERE!r} is a directory. Expected its first item to be"),
+        (["-n", "2", "--", NOT_EXECUTABLE], f"{NOT_EXECUTABLE!r} is not executable (chmod +x it"),
+        (["-n", "2", "--", "tfdist-no-such-program"], "'tfdist-no-such-program' is not a program on PATH"),
+        (["-n", "2", "--", "/nonexistent/tfdist-x"], "'/nonexistent/tfdist-x' does not exist"),
     ],
 )
-def test_bad_arguments(args, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        launch.main(args)
-    assert e.value.code == 2
-    assert message in capsys.readouterr().err
+def test_bad_input_ends_with_one_line_and_exit_status_2(args, message):
+    result = run([*LAUNCH, *args], timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == ""  # no worker started
+    assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("tfdist-launch: error: ") and message in result.stderr, result.stderr
 
 
-def test_missing_command():
-    assert launch.main(["-n", "1", "--", "/nonexistent/tfdist-no-such-binary"]) == 127
+def test_a_command_that_cannot_be_executed_ends_the_job_with_status_126(tmp_path):
+    script = tmp_path / "train"
+    script.write_text("echo no interpreter line\n")
+    script.chmod(0o755)
+    result = run([*LAUNCH, "-n", "2", "--", str(script)], timeout=60)
+    assert result.returncode == 126, result.stdout + result.stderr
+    assert f"[tfdist-launch] cannot start worker 0: Exec format error: {str(script)!r}" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
         ({"command": "python x.py", "num_workers": 1}, r"command='python x.py'"),
+        ({"command": [HERE], "num_workers": 1}, r"is a directory"),
+        ({"command": [NOT_EXECUTABLE], "num_workers": 1}, r"is not executable"),
+        ({"command": ["tfdist-no-such-program"], "num_workers": 1}, r"is not a program on PATH"),
         ({"command": ["true"], "num_workers": 0}, r"num_workers=0"),
+        ({"command": ["true"], "num_workers": 257}, r"num_workers=257\. Expected an integer from 1 to 256"),
         ({"command": ["true"], "num_workers": 1, "grace": -1}, r"grace=-1"),
+        ({"command": ["true"], "num_workers": 1, "grace": float("nan")}, r"grace=nan"),
+        ({"command": ["true"], "num_workers": 1, "join_timeout": float("inf")}, r"join_timeout=inf"),
     ],
 )
 def test_launcher_validates_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=r"Invalid value for argument `\w+`\. .*" + match):
         launch.Launcher(**kwargs)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    result = doctest.testmod(launch)
+    assert result.attempted >= 3 and result.failed == 0, result
 
 
 def test_free_ports_are_distinct_loopback_ports():

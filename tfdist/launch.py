@@ -6,11 +6,18 @@
 Each worker gets its own `TF_CONFIG` (free loopback ports, worker i is task i)
 and `TFDIST_JOIN_TIMEOUT`, which `tfdist.MultiWorkerStrategy` uses as its
 default `join_timeout`. Every output line is prefixed with `[worker i]`.
-Ctrl-C / SIGTERM are forwarded to every worker's process group. When a worker
-fails, the others are stopped (SIGTERM, then SIGKILL after `--grace` seconds)
-and the launcher exits with the failed worker's status. When a worker has not
-started its TensorFlow server within `--join_timeout` seconds, the job is
-stopped too. The launcher only uses loopback addresses; see the README for
+Ctrl-C / SIGTERM / SIGHUP are forwarded to every worker's process group. When a
+worker fails, the others are stopped (SIGTERM, then SIGKILL after `--grace`
+seconds) and the launcher exits with the failed worker's status. When a worker
+has not started its TensorFlow server within `--join_timeout` seconds, the job
+is stopped too. Workers never outlive the launcher, even one killed with
+SIGKILL: each dies with it (Linux's parent-death signal) and a small reaper
+process ends what is left of their process groups.
+
+TensorFlow's gRPC server listens on every interface, unauthenticated. With
+`--network=private` (the default `auto` when the OS allows it) the launcher
+first moves itself into a new user and network namespace, so the workers share
+a loopback device that nothing outside the job can reach. See the README for
 real clusters.
 """
 
@@ -18,20 +25,62 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import fcntl
 import os
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 from tfdist import _validate
 from tfdist import cluster as cluster_lib
 
 HOST = "127.0.0.1"
+MAX_WORKERS = 256
+"""Most workers one launcher starts: each is a process with its own port and pipe on this machine."""
 _POLL = 0.1
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+_SIOCGIFFLAGS = 0x8913
+_SIOCSIFFLAGS = 0x8914
+_IFF_UP = 0x1
+
+# Started by the launcher in a session of its own; reads one worker process group per line. "done" means
+# the launcher finished its job; end of input without it means the launcher died: the reaper signals every
+# group (SIGTERM, SIGKILL after the grace period given as argv[1]) and exits.
+_REAPER = """
+import os, signal, sys, time
+groups = []
+for line in sys.stdin.buffer:
+    if line == b"done\\n":
+        sys.exit(0)
+    groups.append(int(line))
+def signal_all(sig):
+    alive = []
+    for group in groups:
+        try:
+            os.killpg(group, sig)
+            alive.append(group)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return alive
+groups = signal_all(signal.SIGTERM)
+deadline = time.monotonic() + float(sys.argv[1])
+while groups and time.monotonic() < deadline:
+    time.sleep(0.1)
+    groups = signal_all(0)
+signal_all(signal.SIGKILL)
+"""
 
 
 def free_ports(n: int) -> list[int]:
@@ -59,15 +108,57 @@ def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _invalid(name: str, value, expected: str, problem: str = "") -> ValueError:
+    received = f"{name}={value!r}" + (f"; {problem}" if problem else "")
+    return ValueError(f"Invalid value for argument `{name}`. Received: {received}. Expected {expected}.")
+
+
+def _check_command(command) -> list[str]:
+    """Returns `command` as a list if its program is an executable file (a path, or a name on PATH)."""
+    if isinstance(command, str) or not command or not all(isinstance(a, str) for a in command):
+        raise _invalid("command", command, "a non-empty list of strings such as ['python', 'train.py']")
+    program = command[0]
+    path = program if os.sep in program else shutil.which(program)
+    if path is None:
+        problem = f"{program!r} is not a program on PATH"
+        if os.path.exists(program):
+            problem += f" (for the file in this directory write {os.path.join(os.curdir, program)!r})"
+    elif not os.path.exists(path):
+        problem = f"{program!r} does not exist"
+    elif os.path.isdir(path):
+        problem = f"{program!r} is a directory"
+    elif not os.access(path, os.X_OK):
+        problem = f"{program!r} is not executable (chmod +x it, or run it with its interpreter)"
+    else:
+        return list(command)
+    raise _invalid("command", list(command), "its first item to be an executable file or a program on PATH", problem)
+
+
+def _die_with(launcher_pid: int):
+    """A `preexec_fn`: the worker gets SIGKILL when the launcher (the thread that starts it) exits."""
+
+    prctl = _LIBC.prctl  # looked up before the fork
+
+    def preexec():
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
 class _Output:
-    """Copies worker output line by line, each line prefixed with its worker."""
+    """Copies worker output line by line, each line prefixed with its worker.
+
+    Output is dropped once the stream is gone (a closed terminal or pipe); the job goes on.
+    """
 
     def __init__(self, stream):
         self._stream = stream
         self._lock = threading.Lock()
 
     def write(self, line: bytes) -> None:
-        with self._lock:
+        with self._lock, contextlib.suppress(OSError):
             self._stream.write(line)
             self._stream.flush()
 
@@ -85,22 +176,32 @@ class _Output:
 class Launcher:
     """Runs one command as `num_workers` local workers and supervises them.
 
+    The workers use this process's network; `tfdist-launch` gives them a
+    private one by moving itself into new namespaces first (`--network`).
+    Workers die with the launcher, even when it is killed with SIGKILL.
+
     Args:
-        command: the command line each worker runs.
-        num_workers: number of workers, at least 1.
+        command: the command line each worker runs; its program must be an
+            executable file (a path, or a name found on PATH).
+        num_workers: number of workers, 1 to `MAX_WORKERS` (256).
         join_timeout: seconds every worker has to start its TensorFlow server
-            (to listen on its port) before the job is stopped.
-        grace: seconds between SIGTERM and SIGKILL when stopping workers.
+            (to listen on its port) before the job is stopped; finite, > 0.
+        grace: seconds between SIGTERM and SIGKILL when stopping workers;
+            finite, > 0.
         out: binary stream for the prefixed output; defaults to stdout.
 
     Raises:
-        ValueError: for an empty command or invalid numbers.
+        ValueError: naming the argument, for an empty or non-executable
+            command or a number out of range.
 
     Example:
 
-    >>> import sys
-    >>> Launcher(command=[sys.executable, "-c", "pass"], num_workers=2).run()
+    >>> import io, sys
+    >>> out = io.BytesIO()
+    >>> Launcher(command=[sys.executable, "-c", "print('hi')"], num_workers=2, out=out).run()
     0
+    >>> b"[worker 1] hi" in out.getvalue()
+    True
     """
 
     def __init__(
@@ -112,29 +213,22 @@ class Launcher:
         grace: float = 10.0,
         out=None,
     ):
-        if isinstance(command, str) or not command:
-            raise ValueError(
-                f"Invalid value for argument `command`. Received: command={command!r}. Expected a "
-                "non-empty list such as ['python', 'train.py']."
-            )
-        _validate.integer("num_workers", num_workers)
-        _validate.positive_number("join_timeout", join_timeout, unit="seconds")
-        _validate.positive_number("grace", grace, unit="seconds")
-        self.command = list(command)
-        self.num_workers = num_workers
-        self.join_timeout = float(join_timeout)
-        self.grace = float(grace)
+        self.command = _check_command(command)
+        self.num_workers = _validate.integer("num_workers", num_workers, maximum=MAX_WORKERS)
+        self.join_timeout = _validate.positive_number("join_timeout", join_timeout, unit="seconds")
+        self.grace = _validate.positive_number("grace", grace, unit="seconds")
         self._output = _Output(out if out is not None else sys.stdout.buffer)
         self._procs: list[subprocess.Popen] = []
+        self._threads: list[threading.Thread] = []
         self._signal: int | None = None
 
     def _say(self, text: str) -> None:
         self._output.write(f"[tfdist-launch] {text}\n".encode())
 
-    def _start(self) -> list[int]:
+    def _start(self, reaper: subprocess.Popen) -> list[int]:
         ports = free_ports(self.num_workers)
         workers = tuple(f"{HOST}:{p}" for p in ports)
-        threads = []
+        preexec = _die_with(os.getpid())
         for i in range(self.num_workers):
             env = dict(os.environ)
             env["TF_CONFIG"] = cluster_lib.Cluster(workers=workers, task_index=i).to_tf_config()
@@ -147,10 +241,14 @@ class Launcher:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=preexec,
             )
             self._procs.append(proc)
-            threads.append(self._output.pump(f"[worker {i}] ".encode(), proc.stdout))
-        self._threads = threads
+            with contextlib.suppress(OSError):  # a reaper that is gone protects nothing; the job goes on
+                reaper.stdin.write(b"%d\n" % proc.pid)
+                reaper.stdin.flush()
+        # Output threads start after the last fork: `preexec_fn` runs in a child of a single thread.
+        self._threads = [self._output.pump(f"[worker {i}] ".encode(), p.stdout) for i, p in enumerate(self._procs)]
         return ports
 
     def _signal_all(self, sig: int) -> None:
@@ -180,24 +278,44 @@ class Launcher:
         Returns:
             0 when every worker exits 0; else the first failed worker's exit
             status (128 + signal when killed by a signal), 128 + signal when the
-            launcher itself was interrupted, or 1 when a worker did not join.
+            launcher itself was interrupted (SIGINT, SIGTERM, SIGHUP), 1 when a
+            worker did not join, or 126 when the command could not be started.
         """
         previous = {}
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 previous[sig] = signal.signal(sig, self._on_signal)
+        reaper = subprocess.Popen(
+            [sys.executable, "-S", "-c", _REAPER, str(self.grace)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
-            return self._supervise()
+            return self._supervise(reaper)
         finally:
             if any(p.poll() is None for p in self._procs):
                 self._stop_all()
-            for thread in getattr(self, "_threads", []):
+            for thread in self._threads:
                 thread.join(timeout=5)
+            with contextlib.suppress(OSError):
+                reaper.stdin.write(b"done\n")
+                reaper.stdin.close()
+            reaper.wait()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _supervise(self) -> int:
-        ports = self._start()
+    def _supervise(self, reaper: subprocess.Popen) -> int:
+        try:
+            ports = self._start(reaper)
+        except OSError as e:
+            started = list(range(len(self._procs)))
+            self._say(
+                f"cannot start worker {len(self._procs)}: {e.strerror}: {self.command[0]!r}"
+                + (f"; stopping workers {started}" if started else "")
+            )
+            self._stop_all()
+            return 126
         self._say(f"started {self.num_workers} worker(s) on {HOST} ports {ports}: {' '.join(self.command)}")
         joined = [False] * self.num_workers
         join_deadline = time.monotonic() + self.join_timeout
@@ -236,19 +354,95 @@ class Launcher:
             time.sleep(_POLL)
 
 
+def _enter_private_network() -> None:
+    """Moves this single-threaded process into a new user + network namespace and brings its loopback up.
+
+    The user namespace maps this process's user and group to themselves, so
+    files the workers write belong to the invoking user; a worker that is not
+    root has no privileges in it.
+
+    Raises:
+        OSError: whose `strerror` says which step failed.
+    """
+    uid, gid = os.geteuid(), os.getegid()
+    if _LIBC.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWUSER | CLONE_NEWNET) failed: {os.strerror(err)}")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        try:
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot write {text!r} to /proc/self/{name}: {e.strerror}") from e
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            flags = struct.unpack_from("16sH", fcntl.ioctl(s, _SIOCGIFFLAGS, struct.pack("16sH22x", b"lo", 0)))[1]
+            fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | _IFF_UP))
+    except OSError as e:
+        raise OSError(e.errno, f"cannot bring up the loopback device of the new network namespace: {e.strerror}") from e
+
+
+def _private_network_unavailable() -> str | None:
+    """Why `_enter_private_network` would fail here (tried in a forked child), or None when it works."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            _enter_private_network()
+        except Exception as e:  # every failure is a reason, which the parent reports
+            os.write(write, (e.strerror if isinstance(e, OSError) else repr(e)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        reason = f.read().decode()
+    os.waitpid(pid, 0)
+    return reason or None
+
+
+def _usage_error(message: str) -> NoReturn:
+    """Ends `tfdist-launch` with a one-line error (no traceback) and exit status 2."""
+    print(f"tfdist-launch: error: {message} (see tfdist-launch --help)", file=sys.stderr)
+    sys.exit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        _usage_error(message)
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Parses `tfdist-launch` arguments (everything after `--` is the command)."""
-    parser = argparse.ArgumentParser(
+    """Parses `tfdist-launch` arguments (everything after `--` is the command).
+
+    A bad argument ends the program with one line on stderr and exit status 2.
+
+    Example:
+
+    >>> parse_args(["-n", "2", "--", "python", "train.py"]).command
+    ['python', 'train.py']
+    """
+    parser = _Parser(
         prog="tfdist-launch",
         description="Run CMD as N local multi-worker TensorFlow workers on 127.0.0.1.",
-        usage="tfdist-launch -n N [--join_timeout S] [--grace S] -- CMD [ARGS...]",
+        usage="tfdist-launch -n N [--join_timeout S] [--grace S] [--network MODE] -- CMD [ARGS...]",
     )
-    parser.add_argument("-n", "--num_workers", type=int, required=True, help="number of workers (>= 1)")
+    parser.add_argument(
+        "-n", "--num_workers", type=int, required=True, help=f"number of workers (1 to {MAX_WORKERS})"
+    )
     parser.add_argument(
         "--join_timeout", type=float, default=300.0, help="seconds for every worker to start (default 300)"
     )
     parser.add_argument(
         "--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (default 10)"
+    )
+    parser.add_argument(
+        "--network",
+        choices=("auto", "private", "host"),
+        default="auto",
+        help="private: the workers reach only each other (a new user + network namespace); host: this "
+        "machine's network, the workers' ports open on every interface; auto (default): private when the "
+        "OS allows it, else host with a notice",
     )
     argv = list(argv)
     if "--" in argv:
@@ -259,27 +453,36 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(own)
     if not command:
         parser.error("no command given. Expected: tfdist-launch -n N -- CMD [ARGS...]")
-    if args.num_workers < 1:
-        parser.error(f"-n/--num_workers must be >= 1; received {args.num_workers}")
-    if args.join_timeout <= 0 or args.grace <= 0:
-        parser.error(
-            f"--join_timeout and --grace must be positive; received {args.join_timeout:g}, {args.grace:g}"
-        )
     args.command = command
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `tfdist-launch`; returns the exit status."""
+    """Entry point of `tfdist-launch`; returns the exit status.
+
+    Unless `--network=host`, this process itself moves into the job's private
+    network before it starts the workers.
+    """
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    launcher = Launcher(
-        command=args.command, num_workers=args.num_workers, join_timeout=args.join_timeout, grace=args.grace
-    )
     try:
-        return launcher.run()
-    except FileNotFoundError as e:
-        print(f"tfdist-launch: cannot run {args.command[0]!r}: {e}", file=sys.stderr)
-        return 127
+        launcher = Launcher(
+            command=args.command, num_workers=args.num_workers, join_timeout=args.join_timeout, grace=args.grace
+        )
+    except ValueError as e:
+        _usage_error(str(e))
+    if args.network != "host":
+        reason = _private_network_unavailable()
+        if reason is None:
+            _enter_private_network()
+            launcher._say("private network: only the job's workers reach their ports")
+        elif args.network == "private":
+            _usage_error(f"--network=private: this machine cannot give the job a private network: {reason}")
+        else:
+            launcher._say(
+                f"NOT isolated (no private network: {reason}); the workers' ports are open on every "
+                "interface, see --network"
+            )
+    return launcher.run()
 
 
 def run() -> None:
