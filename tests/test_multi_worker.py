@@ -127,6 +127,7 @@ def test_stuck_worker_ends_in_collective_timeout(procs, tmp_path):
     codes = procs.wait([0], timeout=120)
     assert codes[0] not in (None, 0), procs.log(0)[-2000:]
     assert "DeadlineExceededError" in procs.log(0), procs.log(0)[-3000:]
+    assert "a distributed step ran for more than timeout=8s" in procs.log(0), procs.log(0)[-3000:]
     assert procs.ended[0] - start < 90
     assert "worker is stuck now" in procs.log(1)  # teardown kills it
 
@@ -201,3 +202,74 @@ def test_sharding_policy(tmp_path):
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = policy.OFF
     assert chosen(in_memory.with_options(options)) == policy.OFF  # the dataset's own choice wins
+
+
+def test_a_port_in_use_is_named(tmp_path):
+    # A TF_CONFIG address whose port another process listens on: TensorFlow says only
+    # "UnknownError: Could not start gRPC server".
+    import socket
+    import subprocess
+    import sys
+
+    from tfdist import cluster as cluster_lib
+
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        tf_config = cluster_lib.Cluster(workers=(f"127.0.0.1:{port}", "127.0.0.1:1"), task_index=0).to_tf_config()
+        done = subprocess.run(
+            [sys.executable, "-m", "tfdist.train", "--strategy=multi_worker", f"--model_dir={tmp_path}"],
+            env=_procs.clean_env(TF_CONFIG=tf_config),
+            cwd=_procs.REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("tfdist-train: error:") and f"port {port}" in last and "in use" in last, last
+
+
+def test_step_deadline_aborts_only_functions_with_collectives(python_subprocess):
+    # In its own process: aborting collectives poisons them for the rest of the process.
+    done = python_subprocess(
+        """
+        import tfdist
+        tfdist.simulate_devices(2)
+        import time
+        import tensorflow as tf
+        from tfdist.strategies import _deadline, _keras_compat
+
+        _keras_compat.set_step_deadline(_deadline.StepDeadline(timeout=0.5, what="this test"))
+
+        def slow(x):
+            time.sleep(1.5)
+            return x
+
+        @tf.function
+        def no_collectives(x):
+            return tf.py_function(slow, [x], tf.float32)
+
+        print("plain", float(no_collectives(tf.constant(1.0))))  # 1.5 s, not aborted
+        strategy = tfdist.DataParallelStrategy()
+
+        @tf.function
+        def with_collectives(x):
+            def replica(x):
+                return tf.distribute.get_replica_context().all_reduce("sum", tf.py_function(slow, [x], tf.float32))
+            return strategy.run(replica, args=(x,))
+
+        try:
+            with_collectives(tf.constant(1.0))
+        except tf.errors.DeadlineExceededError as e:
+            expected = "this test: a distributed step ran for more than timeout=0.5s"
+            print("aborted, message names the deadline:", expected in e.message)
+        """,
+        timeout=120,
+    )
+    assert "plain 1.0" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "aborted, message names the deadline: True" in done.stdout, (
+        done.stdout + done.stderr[-3000:]
+    )

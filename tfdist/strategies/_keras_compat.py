@@ -53,6 +53,7 @@ from tensorflow.python.distribute import merge_call_interim
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values as tf_values
 from tensorflow.python.eager import backprop as tf_backprop
+from tensorflow.python.eager.polymorphic_function import atomic_function as tf_atomic_function
 from tensorflow.python.util import nest
 from tensorflow.python.util import tf_decorator
 
@@ -490,6 +491,48 @@ def _reduce_per_replica(values, strategy, reduction):
 
 
 # --------------------------------------------------------------------------------------------
+# Multi-worker. Hook 5b: the deadline on distributed steps (tfdist/strategies/_deadline.py). Every
+# eager call of a traced function goes through `AtomicFunction.call_flat`; while a deadline is set
+# (a MultiWorkerStrategy with a `timeout`), calls of functions that contain collective ops are
+# timed by it. Checked on TensorFlow 2.21.
+# --------------------------------------------------------------------------------------------
+_original_call_flat = tf_atomic_function.AtomicFunction.call_flat
+_step_deadline = None
+_collective_functions: dict = {}
+
+
+def set_step_deadline(deadline) -> None:
+    """Times calls of functions with collectives by `deadline` (a `_deadline.StepDeadline`; None: untimed)."""
+    global _step_deadline
+    with _install_lock:
+        if deadline is not None:
+            tf_atomic_function.AtomicFunction.call_flat = _call_flat
+        if _step_deadline is not None and _step_deadline is not deadline:
+            _step_deadline.close()
+        _step_deadline = deadline
+
+
+def _has_collectives(function) -> bool:
+    """Whether the traced function, or one it calls, contains a collective op (cached by name)."""
+    key = (function._bound_context.function_scope_id, function.name)
+    found = _collective_functions.get(key)
+    if found is None:
+        found = any(node.op.startswith("Collective") for node in function.cached_definition.node_def) or any(
+            _has_collectives(child) for child in function.children
+        )
+        _collective_functions[key] = found
+    return found
+
+
+def _call_flat(self, *args):
+    deadline = _step_deadline
+    if deadline is None or not self._bound_context.executing_eagerly() or not _has_collectives(self):
+        return _original_call_flat(self, *args)
+    with deadline.running():
+        return _original_call_flat(self, *args)
+
+
+# --------------------------------------------------------------------------------------------
 # Installation.
 # --------------------------------------------------------------------------------------------
 _HOOKS = (
@@ -546,6 +589,7 @@ _HOOKS = (
         keras_tf_trainer._collective_all_reduce_multi_worker,
         ("_in_multi_worker_mode()",),
     ),
+    ("step_deadline", _original_call_flat, ("if self._bound_context.executing_eagerly():", ".call_function(")),
 )
 
 _installed = False
@@ -946,6 +990,25 @@ def make_unused_iterators(epoch_iterator, count: int) -> None:
     epoch_iterator._tfdist_iterators_created = iterators_created(epoch_iterator) + count
 
 
+def build_compiled_state(model, epoch_iterator) -> None:
+    """Builds the compiled metrics and losses of `model` from `epoch_iterator`'s batch spec, reading no data.
+
+    Without a distribution strategy Keras builds them when it first traces the train step; a resumed
+    `fit` that skips the trained batches restores their state (and asks for their results) first.
+    """
+    unbuilt = [m for m in (model._compile_metrics, model._compile_loss) if m is not None and not m.built]
+    if not unbuilt:
+        return
+    data_batch = _batch_spec(epoch_iterator)
+    if data_batch is None:
+        raise CompatError(
+            "tfdist hook 'compiled_state_build': the epoch iterator has no dataset with an element spec "
+            f"(checked on Keras {CHECKED_ON['keras']}, installed {keras.__version__})."
+        )
+    with model.distribute_strategy.scope():
+        model._symbolic_build(data_batch=data_batch)
+
+
 _CALLBACK_PATCHES = (
     (keras_tf_trainer.TFEpochIterator, "__init__", _epoch_iterator_init),
     (keras_tf_trainer.TFEpochIterator, "_get_iterator", _get_iterator),
@@ -966,6 +1029,11 @@ _CALLBACK_HOOKS = (
         "epoch_iterator_iter",
         keras.src.trainers.epoch_iterator.EpochIterator._enumerate_iterator,
         ("iter(self._get_iterator())",),
+    ),
+    (
+        "compiled_state_build",
+        keras_tf_trainer.TensorFlowTrainer._symbolic_build,
+        ("compile_metrics_unbuilt", "compile_loss_unbuilt", "data_batch = tree.map_structure("),
     ),
 )
 

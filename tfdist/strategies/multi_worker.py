@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 import warnings
 
 import tensorflow as tf
@@ -17,6 +19,7 @@ from tensorflow.python.eager import context
 
 from tfdist import _validate
 from tfdist import cluster as cluster_lib
+from tfdist.strategies import _deadline
 from tfdist.strategies import _keras_compat
 from tfdist.strategies import data_parallel
 
@@ -167,6 +170,15 @@ def _bounded_join(cluster: cluster_lib.Cluster | None, join_timeout: float):
     )
     try:
         yield
+    except tf.errors.UnknownError as e:
+        if "Could not start gRPC server" not in e.message:
+            raise
+        port = cluster.address.rsplit(":", 1)[-1]
+        raise cluster_lib.ClusterError(
+            f"tfdist.MultiWorkerStrategy: {what}: cannot listen on port {port} of its address "
+            f"{cluster.address!r}: the port is in use by another process (TensorFlow listens on "
+            f"0.0.0.0:{port}). Stop that process or give this worker another port."
+        ) from e
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
         raise RuntimeError(
             f"tfdist.MultiWorkerStrategy: {what} could not join the cluster within "
@@ -176,6 +188,24 @@ def _bounded_join(cluster: cluster_lib.Cluster | None, join_timeout: float):
     finally:
         watchdog.stdin.close()
         watchdog.wait()
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler():
+    """Puts back the process' SIGTERM handler after TensorFlow's runtime replaced it.
+
+    Enabling collectives starts TensorFlow's preemption notifier, which installs a C-level
+    SIGTERM handler that only records the signal: the process no longer ends on SIGTERM, and
+    Python-level handlers (BackupAndRestore's preemption save, a binary's cleanup) never run.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -188,14 +218,22 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     the coordination-service heartbeat, a stuck peer by the collective
     `timeout`, and absent peers at start-up by `join_timeout`.
 
-    Construct it first thing in the program, before any TensorFlow op.
+    Construct it first thing in the program, before any TensorFlow op. The
+    SIGTERM handler in place then stays in place (TensorFlow's runtime would
+    swallow the signal), so a SIGTERM ends the worker or reaches
+    `tfdist.callbacks.BackupAndRestore`'s preemption save.
 
     Args:
         cluster: a `tfdist.cluster.Cluster`; defaults to `tfdist.cluster.resolve()`
             (TF_CONFIG, then Slurm). Without any, trains in this process alone.
         communication: collective implementation: "auto", "ring" or "nccl".
-        timeout: seconds a collective may wait for its peers before failing
-            with DeadlineExceeded (a stuck worker); None waits forever.
+        timeout: seconds a distributed step (one call of a traced function
+            with collectives: a Keras train/test/predict step, a custom
+            loop's `tf.function`) may run before its collectives are aborted
+            and it fails with DeadlineExceeded (a stuck peer); None waits
+            forever. One watchdog thread enforces it (TensorFlow's own
+            collective timeout starts a thread per collective and exhausts
+            the process' threads in long runs).
         heartbeat_timeout: seconds without a heartbeat after which a peer
             counts as dead and every worker fails.
         join_timeout: seconds to wait at start-up for all workers to join;
@@ -277,12 +315,17 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             else tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec({}))
         )
         _configure_coordination(resolver, heartbeat_timeout, join_timeout)
+        # No `timeout_seconds` here: TensorFlow would start one sleeping thread per collective executed
+        # (see _deadline.py); the step deadline below bounds stuck peers instead.
         options = tf.distribute.experimental.CommunicationOptions(
-            timeout_seconds=timeout,
             implementation=getattr(tf.distribute.experimental.CommunicationImplementation, communication.upper()),
         )
-        with _bounded_join(cluster, join_timeout):
+        with _bounded_join(cluster, join_timeout), _keep_sigterm_handler():
             extended = _MultiWorkerExtended(self, cluster_resolver=resolver, communication_options=options)
+        if timeout is not None and cluster is not None and cluster.num_workers > 1:
+            _keras_compat.set_step_deadline(
+                _deadline.StepDeadline(timeout=timeout, what=f"worker {cluster.rank} ({cluster.address})")
+            )
         extended._tfdist_sharding = sharding
         extended._tfdist_gradient_dtype = wire_dtype
         self._gradient_dtype = gradient_dtype
