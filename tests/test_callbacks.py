@@ -136,17 +136,24 @@ def test_unwritable_checkpoint_directory_is_refused(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------ BackupAndRestore (in process)
-def test_backup_and_restore_resumes_mid_epoch_with_steps_per_execution(strategy, tmp_path):
-    class Crash(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if int(self.model.optimizer.iterations.numpy()) == 6:
-                raise KeyboardInterrupt
+class Crash(keras.callbacks.Callback):
+    """Interrupts `fit` after optimizer step `step`, as a crash would (the backups stay)."""
 
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == self.step:
+            raise KeyboardInterrupt
+
+
+def test_backup_and_restore_resumes_mid_epoch_with_steps_per_execution(strategy, tmp_path):
     reference = make_model(strategy, steps_per_execution=2)
     fit(reference, [], epochs=3)
     crashed = make_model(strategy, steps_per_execution=2)
     with pytest.raises(KeyboardInterrupt):
-        fit(crashed, [cb.BackupAndRestore(tmp_path, save_freq=2), Crash()], epochs=3)
+        fit(crashed, [cb.BackupAndRestore(tmp_path, save_freq=2), Crash(6)], epochs=3)
     resumed = make_model(strategy, steps_per_execution=2)
     backup = cb.BackupAndRestore(tmp_path, save_freq=2)
     fit(resumed, [backup], epochs=3)
@@ -156,6 +163,35 @@ def test_backup_and_restore_resumes_mid_epoch_with_steps_per_execution(strategy,
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     assert not tmp_path.exists()  # deleted at the end of training
     assert resumed._initial_epoch is None  # the next fit starts from its own initial_epoch
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["no_strategy", "data_parallel"])
+@pytest.mark.parametrize(
+    "save_freq, crash_at, restored, epoch",
+    [(4, 6, 4, 0), (2, 7, 6, 1)],  # 4 steps per epoch
+    ids=["backup_at_the_epochs_last_batch", "backup_mid_epoch"],
+)
+def test_resume_ends_with_the_weights_and_history_of_an_uninterrupted_run(
+    strategy, tmp_path, distributed, save_freq, crash_at, restored, epoch
+):
+    # At the epoch's last batch the resumed fit skips the whole epoch: no train step builds the compiled
+    # metrics ("mae") without a strategy, yet the epoch end reads them.
+    use = strategy if distributed else None
+    reference = make_model(use)
+    want = fit(reference, [], epochs=3).history
+    with pytest.raises(KeyboardInterrupt):
+        fit(make_model(use), [cb.BackupAndRestore(tmp_path, save_freq=save_freq), Crash(crash_at)], epochs=3)
+    resumed = make_model(use)
+    backup = cb.BackupAndRestore(tmp_path, save_freq=save_freq)
+    got = fit(resumed, [backup], epochs=3).history
+    assert backup.restored_step == restored
+    assert int(resumed.optimizer.iterations.numpy()) == 12
+    for a, b in zip(resumed.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    # The resumed fit's epochs (from the backup's) log what the uninterrupted run logged for them.
+    assert sorted(got) == ["loss", "mae"] and len(got["loss"]) == 3 - epoch
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(got[key], want[key][epoch:], rtol=1e-6)
 
 
 def test_backup_from_another_model_is_an_error(tmp_path):

@@ -5,6 +5,7 @@ teardown. The uninterrupted reference is a single-process run with the same seed
 """
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -183,6 +184,30 @@ def test_kill_9_during_checkpoint_write_leaves_previous_checkpoint_intact(procs,
     # The next run's chief removes the stale temporary file before it writes.
     tfdist.callbacks.checkpoint._state.remove_stale_temps(str(directory))
     assert os.listdir(directory) == ["ckpt-000000002.npz"]
+
+
+def test_kill_9_at_random_moments_of_checkpoint_writing_never_leaves_a_torn_checkpoint(procs, tmp_path):
+    # 10 writers saving 16 MiB checkpoints back to back, each SIGKILLed after a random 2-6 saves' time.
+    out = tmp_path / "kills.json"
+    i = procs.start(
+        [
+            sys.executable,
+            os.path.join(_procs.REPO, "tests", "_ckpt_kill_child.py"),
+            str(tmp_path / "ckpt"),
+            "10",
+            "0",
+            str(out),
+        ],
+        _procs.clean_env(),
+    )
+    assert procs.wait([i], timeout=240) == [0], procs.log(i)[-3000:]
+    trials = json.loads(out.read_text())["trials"]
+    assert len(trials) == 10 and all(t["killed"] for t in trials)
+    for t in trials:
+        assert t["finals_intact"] and t["latest_is_newest_final"] and t["latest_intact"], t
+        assert t["left_after_cleanup"] == [], t
+    assert sum(t["mid_write"] for t in trials) >= 5, trials  # most kills land inside a write
+    assert sum(t["saved"] for t in trials) >= 10  # the writers made progress between the kills
 
 
 @pytest.mark.parametrize("tfdata", ["shuffle", "repeat"])

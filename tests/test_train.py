@@ -4,6 +4,7 @@ import glob
 import math
 import os
 import re
+import resource
 import subprocess
 import sys
 
@@ -11,7 +12,8 @@ import keras
 import numpy as np
 import pytest
 
-from tfdist import models  # noqa: F401  (registers the model's layers for load_model)
+import tfdist.callbacks
+from tfdist import models  # also registers the model's layers for load_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_TIMEOUT_S = 200
@@ -83,16 +85,58 @@ def test_held_out_perplexity_falls_well_below_the_untrained_model(trained):
     assert after == pytest.approx(math.exp(loss), rel=1e-3)
 
 
-def test_writes_a_loadable_checkpoint_and_tensorboard_events(trained):
+def test_writes_restorable_checkpoints_a_keras_model_and_tensorboard_events(trained):
     result, model_dir = trained
+    # One atomic checkpoint per epoch (72 steps each), then the final model as model.keras.
     checkpoint = summary_value(result.stdout, "checkpoint")
-    assert checkpoint == str(model_dir / "checkpoints" / "epoch_002.keras")
-    assert os.path.isfile(checkpoint)
+    assert checkpoint == str(model_dir / "checkpoints" / "ckpt-000000144.npz")
+    assert sorted(os.listdir(model_dir / "checkpoints")) == ["ckpt-000000072.npz", "ckpt-000000144.npz"]
+    assert summary_value(result.stdout, "Keras model") == str(model_dir / "model.keras")
+    assert sorted(os.listdir(model_dir)) == ["checkpoints", "logs", "model.keras"]  # no temporary file left
     assert summary_value(result.stdout, "TensorBoard logs") == str(model_dir / "logs")
     assert glob.glob(str(model_dir / "logs" / "train" / "events.out.tfevents.*"))
     assert glob.glob(str(model_dir / "logs" / "validation" / "events.out.tfevents.*"))
-    model = keras.saving.load_model(checkpoint)
-    assert tuple(model(np.zeros((1, SEQ_LEN), np.int32)).shape) == (1, SEQ_LEN, 256)
+    saved = keras.saving.load_model(model_dir / "model.keras")
+    assert tuple(saved(np.zeros((1, SEQ_LEN), np.int32)).shape) == (1, SEQ_LEN, 256)
+    # The last checkpoint restores into a fresh model: the trained weights and optimizer state, exactly.
+    fresh = models.transformer_lm(seq_len=SEQ_LEN, d_model=64, num_heads=2, num_layers=1)
+    fresh.compile(optimizer=keras.optimizers.AdamW.from_config(saved.optimizer.get_config()))
+    meta = tfdist.callbacks.restore_checkpoint(fresh, model_dir / "checkpoints")
+    assert (meta["step"], meta["epoch"]) == (144, 2)
+    assert len(fresh.weights) == len(saved.weights) > 0
+    for a, b in zip(fresh.weights + fresh.optimizer.variables, saved.weights + saved.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_a_failed_checkpoint_write_ends_with_one_line_naming_the_file(tmp_path):
+    # A file size limit makes the kernel refuse the checkpoint's bytes (EFBIG) part way, as a full disk
+    # does (ENOSPC; injected in tests/test_checkpoint_files.py): the write fails inside the file.
+    model_dir = tmp_path / "model_dir"
+    limit = 100_000  # bytes: the log files stay below it, the first checkpoint (~385 KB) does not
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tfdist.train", "--global_batch_size=8", f"--seq_len={SEQ_LEN}", "--d_model=32",
+         "--num_heads=2", "--num_layers=1", "--steps=6", "--max_corpus_bytes=20000", f"--model_dir={model_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=TRAIN_TIMEOUT_S,
+        env={**os.environ, "PYTHONPATH": REPO},
+        cwd=REPO,
+        preexec_fn=limit_file_size,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    target = model_dir / "checkpoints" / "ckpt-000000006.npz"
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"tfdist-train: error: [Errno 27] Cannot write {str(target)!r}: File too large. Nothing was written under "
+        "that name and the files already there are intact; free disk space or make the directory writable, then "
+        "try again."
+    )
+    assert os.listdir(model_dir / "checkpoints") == []  # neither a torn checkpoint nor its temporary file
+    assert not (model_dir / "model.keras").exists()
 
 
 @pytest.mark.parametrize(
@@ -109,6 +153,24 @@ def test_bad_flags_fail_naming_the_flag(args, expected):
     assert result.returncode != 0
     assert re.search(expected, result.stderr), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_a_diverging_loss_stops_training_with_one_line_and_exit_2(tmp_path):
+    model_dir = tmp_path / "model_dir"
+    result = run_train("--learning_rate=1e30", "--num_devices=1", "--global_batch_size=8", f"--seq_len={SEQ_LEN}",
+                       "--d_model=16", "--num_heads=1", "--num_layers=1", "--steps=20", "--max_corpus_bytes=20000",
+                       f"--model_dir={model_dir}", timeout=TRAIN_TIMEOUT_S)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr[-3000:]
+    stopped = re.fullmatch(
+        r"tfdist-train: error: training stopped at step (\d+): loss is (nan|inf), the model diverged\. "
+        r"Lower --learning_rate \(now 1e\+30\)\.",
+        lines[0],
+    )
+    assert stopped and int(stopped.group(1)) < 20, lines[0]
+    assert os.listdir(model_dir / "checkpoints") == []  # nothing of the diverged model saved
+    assert not (model_dir / "model.keras").exists()
 
 
 def test_corpus_without_text_fails_naming_the_path(tmp_path):
@@ -147,8 +209,11 @@ def test_two_workers_under_the_launcher_train_in_step(tmp_path):
     assert summary_value(per_worker[0], "held-out loss (trained)") == summary_value(
         per_worker[1], "held-out loss (trained)"
     )
-    assert [p.name for p in (model_dir / "checkpoints").iterdir()] == ["epoch_001.keras"]
-    assert summary_value(per_worker[1], "checkpoint") == "written by the chief"
+    assert [p.name for p in (model_dir / "checkpoints").iterdir()] == ["ckpt-000000006.npz"]
+    assert summary_value(per_worker[0], "checkpoint") == str(model_dir / "checkpoints" / "ckpt-000000006.npz")
+    assert sorted(os.listdir(model_dir)) == ["checkpoints", "logs", "model.keras"]
+    for label in ("checkpoint", "Keras model"):
+        assert summary_value(per_worker[1], label) == "written by the chief"
 
 
 @pytest.mark.parametrize(

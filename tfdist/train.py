@@ -1,7 +1,8 @@
 """tfdist-train: trains the reference byte-level transformer LM under a tfdist strategy.
 
 Trains `tfdist.models.transformer_lm` on a byte corpus (by default the Python
-standard library's source), saves a `.keras` checkpoint per epoch and
+standard library's source), saves an atomic checkpoint per epoch
+(`tfdist.callbacks.Checkpoint`), the final model as `model.keras` and
 TensorBoard logs under --model_dir, and prints a summary: devices, tokens/s,
 train loss, and held-out loss and perplexity before and after training.
 
@@ -17,31 +18,24 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import atexit  # noqa: E402
+import functools  # noqa: E402
 import importlib.util  # noqa: E402
+import itertools  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from typing import NoReturn  # noqa: E402
 
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+# Neither imports TensorFlow: flags are checked, and the corpus is read, before TensorFlow loads.
+from tfdist import data as data_lib  # noqa: E402
+from tfdist import flags as tfdist_flags  # noqa: E402
 from tfdist._native_log import native_stderr_silenced  # noqa: E402
-
-with native_stderr_silenced():
-    import keras
-    import tensorflow as tf
-    from absl import app
-    from absl import flags
-
-    from tfdist import callbacks as tfdist_callbacks
-    from tfdist import data as data_lib
-    from tfdist import flags as tfdist_flags
-    from tfdist import models
-
-    # TensorFlow registers an absl init hook (tensorflow.python.distribute.combinations) that lists
-    # the physical GPUs when app.run starts; on a machine without a CUDA driver the first listing
-    # logs a cuInit error. List them once here, quietly. (This does not start the runtime.)
-    tf.config.list_physical_devices("GPU")
 
 FLAGS = tfdist_flags.FLAGS
 tfdist_flags.define_flags()
@@ -52,13 +46,59 @@ _MAX_WARMUP_STEPS = 100
 
 
 def _fail(message: str) -> NoReturn:
-    """Ends the binary with a one-line error (no traceback) and exit status 2."""
-    print(f"tfdist-train: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    """Ends the binary with a one-line error (no traceback) and exit status 2, as a bad flag does."""
+    tfdist_flags.exit_with_error("tfdist-train", message)
 
 
-def _learning_rate(peak: float, total_steps: int) -> keras.optimizers.schedules.LearningRateSchedule:
-    """Linear warmup to `peak`, then cosine decay to 0 at `total_steps`."""
+def _stop_on_non_finite_loss():
+    """A callback that ends the binary at the first step whose loss is NaN or infinite (before any save)."""
+    import keras
+
+    steps = itertools.count(1)
+
+    def check(batch, logs):
+        step, loss = next(steps), (logs or {}).get("loss")
+        if loss is not None and not math.isfinite(loss):
+            _fail(
+                f"training stopped at step {step}: loss is {float(loss)}, the model diverged. "
+                f"Lower --learning_rate (now {FLAGS.learning_rate:g})."
+            )
+
+    return keras.callbacks.LambdaCallback(on_train_batch_end=check)
+
+
+def _check_host_memory(local_devices: int, replicas: int) -> None:
+    """Refuses sizes whose training cannot fit this machine's memory (training on CPUs).
+
+    Counts only what training surely holds: per local replica the float32 weights, gradients and
+    AdamW's two moments, and the attention probabilities of the local batch kept for the backward
+    pass. The sizes come from flags, so the error names them.
+    """
+    from tfdist import devices as devices_lib
+    from tfdist import models
+
+    memory = devices_lib.host_memory()
+    if memory is None:
+        return
+    parameters = models.transformer_lm_parameters(
+        seq_len=FLAGS.seq_len, d_model=FLAGS.d_model, num_layers=FLAGS.num_layers
+    )
+    local_batch = math.ceil(FLAGS.global_batch_size * local_devices / replicas)
+    need = 4 * (4 * parameters * local_devices + local_batch * FLAGS.num_heads * FLAGS.seq_len**2 * FLAGS.num_layers)
+    if need > memory:
+        _fail(
+            f"--d_model={FLAGS.d_model}, --num_layers={FLAGS.num_layers}, --seq_len={FLAGS.seq_len}, "
+            f"--num_heads={FLAGS.num_heads}, --global_batch_size={FLAGS.global_batch_size}: training needs at least "
+            f"{need / 2**30:,.1f} GiB ({parameters:,} parameters with gradients and optimizer state on "
+            f"{local_devices} device(s), and the attention of the batch), more than this machine's "
+            f"{memory / 2**30:,.1f} GiB. Expected sizes that fit: lower them."
+        )
+
+
+def _learning_rate(peak: float, total_steps: int):
+    """Linear warmup to `peak`, then cosine decay to 0 at `total_steps`: a Keras LearningRateSchedule."""
+    import keras
+
     warmup = min(_MAX_WARMUP_STEPS, max(1, int(total_steps * _WARMUP_FRACTION)))
     return keras.optimizers.schedules.CosineDecay(
         initial_learning_rate=0.0,
@@ -80,8 +120,15 @@ def _print_summary(rows: list[tuple[str, str]]) -> None:
     sys.stdout.flush()
 
 
+def _terminated(signum, frame) -> NoReturn:
+    """SIGTERM (a scheduler's stop, tfdist-launch forwarding Ctrl-C): end now, running the cleanup."""
+    print(f"tfdist-train: stopped by signal {signum} (SIGTERM)", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
     """Trains the LM as the flags say; see the module docstring."""
+    signal.signal(signal.SIGTERM, _terminated)
     if len(argv) > 1:
         _fail(f"unexpected positional arguments {argv[1:]}; every option is a --flag (see --helpshort).")
     if importlib.util.find_spec("tensorboard") is None:
@@ -93,6 +140,25 @@ def main(argv: list[str]) -> int:
         corpus = data_lib.load_corpus(FLAGS.corpus, max_bytes=FLAGS.max_corpus_bytes)
     except ValueError as e:
         _fail(f"--corpus: {e}")
+    train_windows, heldout_windows = data_lib.window_counts(len(corpus), seq_len=FLAGS.seq_len)
+    if 0 < train_windows < FLAGS.global_batch_size:  # (no window at all: lm_datasets says so below)
+        _fail(
+            f"--global_batch_size={FLAGS.global_batch_size} is more than the {train_windows:,} training examples "
+            f"of the corpus ({len(corpus):,} bytes, --seq_len={FLAGS.seq_len}). Expected at most {train_windows:,}: "
+            "lower it, or raise --max_corpus_bytes or use a larger --corpus."
+        )
+    with native_stderr_silenced():  # TensorFlow's native start-up notices
+        import keras
+        import tensorflow as tf
+
+        from tfdist import callbacks as tfdist_callbacks
+        from tfdist import models
+        from tfdist.callbacks import _state as checkpoint_files
+
+        # On a machine without a CUDA driver the first GPU listing logs a cuInit error (TensorFlow
+        # lists them when imported under app.run, and so do the strategies): list them here, quietly.
+        # This does not start the runtime.
+        tf.config.list_physical_devices("GPU")
     try:
         devices = tfdist_flags.configure_devices_from_flags(FLAGS)
         # The corpus is in memory: every worker holds it and keeps its share of each batch.
@@ -127,7 +193,8 @@ def main(argv: list[str]) -> int:
         )
     except ValueError as e:
         _fail(f"--corpus / --seq_len: {e}")
-    train_windows, heldout_windows = data_lib.window_counts(len(corpus), seq_len=FLAGS.seq_len)
+    if not any("GPU" in d.upper() for d in devices):
+        _check_host_memory(len(devices), replicas)
     batch = FLAGS.global_batch_size
     steps_per_epoch = FLAGS.steps or math.ceil(train_windows / batch)
 
@@ -154,20 +221,29 @@ def main(argv: list[str]) -> int:
     throughput = tfdist_callbacks.Throughput(
         batch_size=batch, tokens_per_example=FLAGS.seq_len, skip_steps=1, log_dir=os.path.join(log_dir, "throughput")
     )
-    checkpoint_pattern = os.path.join(checkpoint_dir, "epoch_{epoch:03d}.keras")
-    history = model.fit(
-        train_ds,
-        epochs=FLAGS.epochs,
-        steps_per_epoch=FLAGS.steps or None,  # 0: one pass over the training windows
-        validation_data=heldout_ds,
-        shuffle=False,  # lm_datasets shuffles the training windows.
-        callbacks=[
-            keras.callbacks.ModelCheckpoint(checkpoint_pattern),
-            keras.callbacks.TensorBoard(log_dir=log_dir),
-            throughput,
-        ],
-        verbose=1 if sys.stdout.isatty() else 2,
-    )
+    # Atomic checkpoints (temp file, fsync, rename) of the model and optimizer after every epoch, the last 3
+    # kept (restore with tfdist.callbacks.restore_checkpoint); the final model also as model.keras.
+    checkpoint = tfdist_callbacks.Checkpoint(checkpoint_dir, every_n_epochs=1)
+    model_path = os.path.join(model_dir, "model.keras")
+    checkpoint_files.remove_stale_temps(model_dir, ending=".keras")
+    try:
+        history = model.fit(
+            train_ds,
+            epochs=FLAGS.epochs,
+            steps_per_epoch=FLAGS.steps or None,  # 0: one pass over the training windows
+            validation_data=heldout_ds,
+            shuffle=False,  # lm_datasets shuffles the training windows.
+            callbacks=[
+                _stop_on_non_finite_loss(),  # first: no other callback sees the diverged step
+                checkpoint,
+                keras.callbacks.TensorBoard(log_dir=log_dir),
+                throughput,
+            ],
+            verbose=1 if sys.stdout.isatty() else 2,
+        )
+        checkpoint_files.write_keras_model(model, model_path)
+    except tfdist_callbacks.CheckpointWriteError as e:  # disk full, directory not writable: no traceback
+        _fail(str(e))
     trained = history.history["val_loss"][-1]
 
     rate = history.history.get("tokens_per_sec", [None])[-1]
@@ -202,7 +278,8 @@ def main(argv: list[str]) -> int:
             ("held-out loss (trained)", f"{trained:.4f}"),
             ("held-out perplexity (untrained)", f"{_perplexity(untrained):.2f}"),
             ("held-out perplexity (trained)", f"{_perplexity(trained):.2f}"),
-            ("checkpoint", checkpoint_pattern.format(epoch=FLAGS.epochs) if chief else "written by the chief"),
+            ("checkpoint", checkpoint.last_saved if chief else "written by the chief"),
+            ("Keras model", model_path if chief else "written by the chief"),
             ("TensorBoard logs", log_dir if chief else "written by the chief"),
         ]
     )
@@ -211,7 +288,7 @@ def main(argv: list[str]) -> int:
 
 def run() -> None:
     """Entry point of the `tfdist-train` console script."""
-    app.run(main)
+    app.run(main, flags_parser=functools.partial(tfdist_flags.parse_flags_or_exit, prog="tfdist-train"))
 
 
 if __name__ == "__main__":

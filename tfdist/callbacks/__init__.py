@@ -12,6 +12,7 @@ from tfdist.callbacks.checkpoint import BackupAndRestore
 from tfdist.callbacks.checkpoint import Checkpoint
 from tfdist.callbacks.checkpoint import CheckpointCorruptWarning
 from tfdist.callbacks.checkpoint import CheckpointMismatchError
+from tfdist.callbacks.checkpoint import CheckpointWriteError
 from tfdist.callbacks.checkpoint import latest_checkpoint
 from tfdist.callbacks.checkpoint import restore_checkpoint
 from tfdist.callbacks.schedules import LearningRateWarmup
@@ -26,6 +27,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointCorruptWarning",
     "CheckpointMismatchError",
+    "CheckpointWriteError",
     "LearningRateWarmup",
     "MetricAverage",
     "SyncCheck",

@@ -18,6 +18,7 @@ from tfdist import _validate
 from tfdist.callbacks import _state
 from tfdist.callbacks._state import CheckpointCorruptWarning
 from tfdist.callbacks._state import CheckpointMismatchError
+from tfdist.callbacks._state import CheckpointWriteError
 from tfdist.strategies import _keras_compat
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointCorruptWarning",
     "CheckpointMismatchError",
+    "CheckpointWriteError",
     "latest_checkpoint",
     "restore_checkpoint",
 ]
@@ -51,9 +53,13 @@ def _strategy(model):
 def latest_checkpoint(directory, *, prefix: str = "ckpt") -> str | None:
     """The newest complete checkpoint file in `directory`, or None.
 
-    Truncated or corrupt files (a zip CRC mismatch, a missing member) are
-    skipped with a `CheckpointCorruptWarning` naming each one; temporary files
-    of an interrupted write are never candidates.
+    Truncated, corrupt or malformed files are skipped with a
+    `CheckpointCorruptWarning` naming each one and the reason: a zip CRC
+    mismatch, a missing member, metadata that is not what tfdist writes (keys,
+    types, as many paths as arrays), an array whose `.npy` header disagrees
+    with the metadata (dtype, shape) or with the bytes the file holds. All of
+    it is checked before any array is allocated. Temporary files of an
+    interrupted write are never candidates.
 
     Args:
         directory: a `Checkpoint` directory.
@@ -84,9 +90,11 @@ def restore_checkpoint(model, path) -> dict:
 
     Raises:
         FileNotFoundError: when `path` holds no complete checkpoint.
-        ValueError: when the file is truncated or corrupt.
+        ValueError: when the file is truncated, corrupt or malformed, naming
+            it and the reason (the checks of `latest_checkpoint`).
         CheckpointMismatchError: when the checkpoint was written by another
-            model, naming the first variable that differs.
+            model, naming the file and the first variable whose path, shape or
+            dtype differs; nothing is assigned then.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -107,11 +115,15 @@ class Checkpoint(keras.callbacks.Callback):
 
     Multi-worker safe: every worker gathers the values (so any collective runs
     on all of them), the chief writes `directory/<prefix>-<step>.npz`, other
-    workers write to a temporary directory they delete. Each file is written
-    under a temporary name and renamed once complete, so a crash (even kill -9)
-    mid-write leaves the previous checkpoints intact; `latest_checkpoint`
-    finds the newest complete one. Files are named by the optimizer's step
-    (`optimizer.iterations`), so they stay ordered across restarts.
+    workers write to a private temporary directory they delete. Each file is
+    written under a new temporary name (created exclusively with a random part,
+    so a symlink planted in a shared directory is never written through),
+    fsync'ed and renamed once complete, so a crash (even kill -9) mid-write
+    leaves the previous checkpoints intact; `latest_checkpoint` finds the
+    newest complete one. A failed write (disk full) raises
+    `CheckpointWriteError` naming the file, with the temporary file removed.
+    Files are named by the optimizer's step (`optimizer.iterations`), so they
+    stay ordered across restarts.
 
     Args:
         directory: where checkpoints go (created if missing); must not be a file.
@@ -130,6 +142,8 @@ class Checkpoint(keras.callbacks.Callback):
         ValueError: for a non-positive or non-integer frequency or `keep`, an
             unknown `mode`, or a `directory` that is a file or not writable;
             at the first epoch end, for a `monitor` missing from the logs.
+        CheckpointWriteError: during `fit`, when a checkpoint cannot be
+            written (disk full, directory not writable), naming the file.
 
     Example:
 
@@ -197,7 +211,7 @@ class Checkpoint(keras.callbacks.Callback):
             _state.remove_stale_temps(self.directory)
         if self._rank == 0 and self.monitor:
             for step, path in _state.list_checkpoints(self.directory, self.prefix):
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(ValueError):  # a damaged file: latest_checkpoint warns about it
                     value = _state.read_meta(path).get("monitor_value")
                     if value is not None and self._better(value):
                         self._best = (value, step)
@@ -292,8 +306,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     Not reproduced: reshuffling pipelines under ModelParallelStrategy (its
     batches start their tf.data iterator lazily), and inputs whose order
     depends on something else (a Python generator with its own state). The
-    metric state of the interrupted epoch is restored too, so the resumed
-    epoch's logs (loss, metrics) equal the uninterrupted run's.
+    metric state of the interrupted epoch is restored too (the compiled
+    metrics are built first where Keras has not built them yet, as without a
+    strategy), so the resumed epoch's logs (loss, metrics) equal the
+    uninterrupted run's, also when the backup was taken at the epoch's last
+    batch and the whole epoch is skipped.
 
     Args:
         backup_dir: directory for the backups (one subdirectory per worker).
@@ -323,6 +340,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     """
 
     _PREFIX = "backup"
+    _REQUIRED = ("epoch", "batch", "logs")  # metadata keys a backup must hold
 
     def __init__(
         self,
@@ -380,12 +398,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch, self._batches_in_epoch, self._ignore_batch_ends = 0, 0, 0
         self.restored_step = None
         _state.remove_stale_temps(self._dir)
-        found = _state.newest_valid(self._dir, self._PREFIX)
+        found = _state.newest_valid(self._dir, self._PREFIX, required=self._REQUIRED)
         if self._num_workers > 1:
             mine = -1 if found is None else found[0]
             agreed = int(_state.all_gather_rows(strategy, [mine]).min())
             if agreed != mine:
-                found = None if agreed < 0 else _state.newest_valid(self._dir, self._PREFIX, max_step=agreed)
+                found = (
+                    None
+                    if agreed < 0
+                    else _state.newest_valid(self._dir, self._PREFIX, max_step=agreed, required=self._REQUIRED)
+                )
                 if agreed >= 0 and (found is None or found[0] != agreed):
                     raise RuntimeError(
                         f"BackupAndRestore: worker {self._rank} has no intact backup of step {agreed}, the newest "
@@ -397,6 +419,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         if found is not None:
             step, path, meta, arrays = found
             _state.restore_state(model, meta, arrays, source=path)
+            # The skipped batches never run a train step, which is where Keras builds the compiled
+            # metrics without a strategy: build them now, so their state is restored and read back.
+            _keras_compat.build_compiled_state(model, self._epoch_iterator)
             self.restored_step = step
             self._epoch, self._batches_in_epoch = meta["epoch"], meta["batch"]
             _keras_compat.set_initial_epoch(model, self._epoch)
