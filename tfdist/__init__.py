@@ -8,6 +8,7 @@ follow the import.
 
 import importlib
 import os
+from typing import TYPE_CHECKING
 
 # DTensor's all-reduce combining pass silently corrupts Adam updates (TF 2.21); DTensor reads this
 # when it compiles a program. ModelParallelStrategy also enforces it at construction.
@@ -23,10 +24,32 @@ _PUBLIC = {
     "ModelParallelStrategy": "tfdist.strategies.model_parallel",
     "PipelineStrategy": "tfdist.strategies.pipeline",
     "advise": "tfdist.advisor",
+    "CompatError": "tfdist.errors",
+    "ClusterError": "tfdist.errors",
+    "DataShardingWarning": "tfdist.errors",
 }
-_SUBMODULES = ("callbacks", "cluster", "data", "devices", "layouts", "models", "placement")
+_SUBMODULES = ("callbacks", "cluster", "data", "devices", "errors", "layouts", "models", "placement")
 
 __all__ = sorted([*_PUBLIC, *_SUBMODULES, "__version__"])
+
+if TYPE_CHECKING:  # IDEs and type checkers see the names (`x as x`: re-exported); at run time each loads on first use
+    from tfdist import callbacks as callbacks
+    from tfdist import cluster as cluster
+    from tfdist import data as data
+    from tfdist import devices as devices
+    from tfdist import errors as errors
+    from tfdist import layouts as layouts
+    from tfdist import models as models
+    from tfdist import placement as placement
+    from tfdist.advisor import advise as advise
+    from tfdist.devices import simulate_devices as simulate_devices
+    from tfdist.errors import ClusterError as ClusterError
+    from tfdist.errors import CompatError as CompatError
+    from tfdist.errors import DataShardingWarning as DataShardingWarning
+    from tfdist.strategies.data_parallel import DataParallelStrategy as DataParallelStrategy
+    from tfdist.strategies.model_parallel import ModelParallelStrategy as ModelParallelStrategy
+    from tfdist.strategies.multi_worker import MultiWorkerStrategy as MultiWorkerStrategy
+    from tfdist.strategies.pipeline import PipelineStrategy as PipelineStrategy
 
 
 def __getattr__(name):

@@ -80,3 +80,24 @@ def positive_number(
         expected += "" if maximum is None else f", at most {maximum:g}"
         raise _fail(name, value, expected + (", or None" if allow_none else ""), "")
     return float(value)
+
+
+def one_of(name: str, value, choices, *, where: str = ""):
+    """Returns `value` if it is one of `choices` (compared with ==, never a bool for a non-bool choice), else raises.
+
+    Raises:
+        ValueError: naming `name`, the value and the choices.
+
+    Example:
+
+    >>> one_of("mode", "min", ("auto", "min", "max"))
+    'min'
+    >>> one_of("mode", "low", ("auto", "min", "max"))
+    Traceback (most recent call last):
+    ...
+    ValueError: Invalid value for argument `mode`. Received: mode='low'. Expected one of ('auto', 'min', 'max').
+    """
+    choices = tuple(choices)
+    if isinstance(value, bool) and not any(isinstance(c, bool) for c in choices) or value not in choices:
+        raise _fail(name, value, f"one of {choices}", where)
+    return value

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 
 from tfdist import _validate
+from tfdist import errors
 
 DEFAULT_SLURM_PORT = 8476
 """Port of the first task on each Slurm node; the k-th task on a node uses this + k."""
@@ -31,8 +32,7 @@ JOIN_TIMEOUT_ENV = "TFDIST_JOIN_TIMEOUT"
 """Set by `tfdist-launch`: the default `join_timeout` of `tfdist.MultiWorkerStrategy`, in seconds."""
 
 
-class ClusterError(ValueError):
-    """A cluster description (TF_CONFIG, Slurm variables or arguments) is invalid."""
+ClusterError = errors.ClusterError
 
 
 def _check_address(address, where: str) -> str:

@@ -57,11 +57,12 @@ from tensorflow.python.eager.polymorphic_function import atomic_function as tf_a
 from tensorflow.python.util import nest
 from tensorflow.python.util import tf_decorator
 
+from tfdist import errors
+
 CHECKED_ON = {"tensorflow": "2.21", "keras": "3.15"}
 
 
-class CompatError(RuntimeError):
-    """A TensorFlow/Keras internal that tfdist hooks no longer looks as expected."""
+CompatError = errors.CompatError
 
 
 def _major_minor(version: str) -> str:

@@ -19,6 +19,7 @@ from tensorflow.python.eager import context
 
 from tfdist import _validate
 from tfdist import cluster as cluster_lib
+from tfdist import errors
 from tfdist.strategies import _deadline
 from tfdist.strategies import _keras_compat
 from tfdist.strategies import data_parallel
@@ -52,8 +53,7 @@ def _positive(name: str, value, *, allow_none: bool = False) -> float | None:
     return _validate.positive_number(name, value, allow_none=allow_none, unit="seconds")
 
 
-class DataShardingWarning(UserWarning):
-    """Every worker reads the whole dataset (DATA sharding) because it has no files to split."""
+DataShardingWarning = errors.DataShardingWarning
 
 
 def reads_files(dataset: tf.data.Dataset) -> bool:
