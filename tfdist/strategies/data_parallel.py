@@ -12,6 +12,7 @@ from tensorflow.python.distribute import mirrored_strategy
 
 from tfdist import devices as devices_lib
 from tfdist.strategies import _keras_compat
+from tfdist.strategies import topology as topology_lib
 
 COMMUNICATION_CHOICES = ("auto", "nccl", "ring", "hierarchical")
 GRADIENT_DTYPES = (None, "bfloat16", "float16")
@@ -146,6 +147,11 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
     def communication(self) -> str:
         """The gradient all-reduce choice this strategy was built with."""
         return self._communication
+
+    @property
+    def topology(self) -> topology_lib.Topology:
+        """One process, one replica per device."""
+        return topology_lib.Topology(worker_index=0, num_workers=1, data_parallel_size=self.num_replicas_in_sync)
 
     def __repr__(self):
         return (

@@ -41,6 +41,7 @@ from tensorflow.python.util import nest
 from tfdist.placement import mesh as mesh_lib
 from tfdist.placement.rules import LayoutRules
 from tfdist.strategies import _keras_compat
+from tfdist.strategies import topology as topology_lib
 
 COMBINE_ALL_REDUCES_ENV = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
 
@@ -456,6 +457,12 @@ class ModelParallelStrategy(distribute_lib.Strategy):
     def batch_axis(self) -> str | None:
         """The mesh axis that splits batches, or None when every device sees the whole batch."""
         return self.extended.batch_axis
+
+    @property
+    def topology(self) -> topology_lib.Topology:
+        """One process; each global batch is split over the batch axis (1 without one)."""
+        size = self.mesh_shape[self.batch_axis] if self.batch_axis else 1
+        return topology_lib.Topology(worker_index=0, num_workers=1, data_parallel_size=size)
 
     def shard_batch(self, structure):
         """Packs host tensors/arrays into DTensors split on the batch axis (for custom loops)."""

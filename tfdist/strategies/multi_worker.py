@@ -23,6 +23,7 @@ from tfdist import errors
 from tfdist.strategies import _deadline
 from tfdist.strategies import _keras_compat
 from tfdist.strategies import data_parallel
+from tfdist.strategies import topology as topology_lib
 
 COMMUNICATION_CHOICES = ("auto", "ring", "nccl")
 SHARDING_CHOICES = ("auto", "file", "data", "off")
@@ -335,6 +336,16 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     def cluster(self) -> cluster_lib.Cluster | None:
         """The cluster this strategy spans (None for a single process)."""
         return self._cluster
+
+    @property
+    def topology(self) -> topology_lib.Topology:
+        """This worker's index, the number of workers and of replicas in sync."""
+        cluster = self._cluster
+        return topology_lib.Topology(
+            worker_index=cluster.rank if cluster else 0,
+            num_workers=cluster.num_workers if cluster else 1,
+            data_parallel_size=self.num_replicas_in_sync,
+        )
 
     @property
     def communication(self) -> str:

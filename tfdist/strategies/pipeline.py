@@ -19,6 +19,7 @@ from tfdist import devices as devices_lib
 from tfdist.placement import pipeline as pipeline_lib
 from tfdist.strategies import _keras_compat
 from tfdist.strategies import data_parallel
+from tfdist.strategies import topology as topology_lib
 
 
 class _StageDevices:
@@ -396,6 +397,11 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
     @property
     def replicas(self) -> int:
         return self._replicas
+
+    @property
+    def topology(self) -> topology_lib.Topology:
+        """One process; each global batch is split over the `replicas` stage rows."""
+        return topology_lib.Topology(worker_index=0, num_workers=1, data_parallel_size=self._replicas)
 
     @property
     def stage_devices(self) -> list[list[str]]:
