@@ -2,7 +2,7 @@
 
 For each float32 message size (1 KiB to 256 MiB; `--quick`: to 16 MiB) and N = 2, 4, 8 devices,
 times one all-reduce (sum) of one tensor per device, the way tfdist all-reduces gradients:
-`strategy.extended._tfdist_all_reduce_gradients` inside `strategy.run` in a `tf.function`, under a
+`tfdist.strategies.collectives.all_reduce_gradients` inside `strategy.run` in a `tf.function`, under a
 `tfdist.DataParallelStrategy` over the first N devices. Communications compared: "auto" (on CPUs
 TensorFlow picks ring collectives, so it should equal "ring"), "ring", "nccl" (GPUs only), and tfdist's
 compressed all-reduce ("auto" with `gradient_dtype="bfloat16"`: cast, all-reduce half the bytes, cast
@@ -67,12 +67,14 @@ def time_all_reduce(strategy, nbytes: int, rounds: int) -> list[float]:
     """Seconds per all-reduce of an `nbytes` float32 tensor per device, one figure per round."""
     import tensorflow as tf
 
+    from tfdist.strategies import collectives
+
     elements = nbytes // 4
     values = strategy.experimental_distribute_values_from_function(lambda _: tf.zeros([elements]))
 
     @tf.function
     def all_reduce(v):  # zeros stay zeros: the result can feed the next call, in order
-        return strategy.run(lambda t: strategy.extended._tfdist_all_reduce_gradients([t])[0], args=(v,))
+        return strategy.run(lambda t: collectives.all_reduce_gradients(strategy, [t])[0], args=(v,))
 
     for _ in range(2):  # trace, then warm up
         values = all_reduce(values)

@@ -54,6 +54,7 @@ def main(argv=None):
     import keras
     import numpy as np
 
+    from tfdist.callbacks import _files
     from tfdist.callbacks import _state
 
     strategy = tfdist.DataParallelStrategy()
@@ -72,17 +73,17 @@ def main(argv=None):
     try:
         for r in range(args.rounds):
             # New file names each round, old files deleted and memory freed outside the timings.
-            path = os.path.join(directory, _state.checkpoint_name("ckpt", r))
+            path = os.path.join(directory, _files.checkpoint_name("ckpt", r))
             raw_path = os.path.join(directory, f"raw-{r}.bin")
             start = time.perf_counter()
             paths, arrays = _state.collect_state(model)
-            size = _state.write_file(path, paths, arrays, {"step": r})
+            size = _files.write_file(path, paths, arrays, {"step": r})
             times["save"].append(time.perf_counter() - start)
             del arrays
             gc.collect()
 
             start = time.perf_counter()
-            meta, arrays = _state.read_file(path)
+            meta, arrays = _files.read_file(path)
             _state.restore_state(model, meta, arrays, source=path)
             times["restore"].append(time.perf_counter() - start)
             del arrays

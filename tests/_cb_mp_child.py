@@ -5,6 +5,7 @@ alone, on 4 simulated CPUs (mesh batch=2 x model=2, MLP kernels split by the tra
 writes its numbers to OUT_DIR/result.json for tests/test_callbacks.py.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tfdist.callbacks  # noqa: E402
+from tfdist.strategies import topology  # noqa: E402
 
 OUT = sys.argv[1]
 RESULT = {}
@@ -24,6 +26,7 @@ rng = np.random.default_rng(0)
 x = rng.normal(size=(40, 8)).astype("float32")
 y = (x @ rng.normal(size=(8, 1)) + 0.1).astype("float32")
 strategy = tfdist.ModelParallelStrategy(mesh={"batch": 2, "model": 2}, rules=tfdist.layouts.transformer())
+RESULT["topology"] = dataclasses.asdict(topology.of(strategy))
 
 
 class Crash(keras.callbacks.Callback):

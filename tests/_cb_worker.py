@@ -38,6 +38,9 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist.callbacks  # noqa: E402
+from tfdist.strategies import topology  # noqa: E402
+
+print(f"topology {topology.of(strategy)}", flush=True)
 
 rng = np.random.default_rng(0)
 x = rng.normal(size=(40, 4)).astype("float32")
@@ -56,7 +59,7 @@ class Fault(keras.callbacks.Callback):
         if step == int(OPTS.get("term_at", -1)) and rank == int(OPTS.get("term_rank", rank)):
             print(f"waiting for SIGTERM after step {step}", flush=True)
             deadline = time.monotonic() + 60
-            while not backup._preempted and time.monotonic() < deadline:
+            while not backup._preemption.requested and time.monotonic() < deadline:
                 time.sleep(0.05)
 
 

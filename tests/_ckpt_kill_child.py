@@ -17,7 +17,7 @@ import zipfile
 
 import numpy as np
 
-from tfdist.callbacks import _state
+from tfdist.callbacks import _files
 from tfdist.callbacks import latest_checkpoint
 
 DIRECTORY, TRIALS, SEED, OUT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -27,8 +27,8 @@ SHAPE = (1024, 2048)  # 8 MiB of float32 per array
 
 def checkpoint(step):
     arrays = [np.full(SHAPE, step, "float32"), np.full(SHAPE, -step, "float32")]
-    _state.save(DIRECTORY, "ckpt", step, PATHS, arrays, {"step": step}, rank=0)
-    for _, old in _state.list_checkpoints(DIRECTORY, "ckpt")[:-2]:
+    _files.save(DIRECTORY, "ckpt", step, PATHS, arrays, {"step": step}, rank=0)
+    for _, old in _files.list_checkpoints(DIRECTORY, "ckpt")[:-2]:
         os.remove(old)
 
 
@@ -44,7 +44,7 @@ def intact(path, step) -> bool:
         with zipfile.ZipFile(path) as z:
             if z.testzip() is not None:
                 return False
-        meta, arrays = _state.read_file(path)
+        meta, arrays = _files.read_file(path)
     except (OSError, ValueError, zipfile.BadZipFile):
         return False
     return meta["step"] == step and all(
@@ -59,7 +59,7 @@ checkpoint(1)
 save_seconds = time.monotonic() - started
 trials = []
 for _ in range(TRIALS):
-    first = _state.list_checkpoints(DIRECTORY, "ckpt")[-1][0] + 1
+    first = _files.list_checkpoints(DIRECTORY, "ckpt")[-1][0] + 1
     pid = os.fork()
     if pid == 0:
         try:
@@ -71,9 +71,9 @@ for _ in range(TRIALS):
     os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
     names = sorted(os.listdir(DIRECTORY))
-    finals = _state.list_checkpoints(DIRECTORY, "ckpt")
+    finals = _files.list_checkpoints(DIRECTORY, "ckpt")
     latest = latest_checkpoint(DIRECTORY)
-    _state.remove_stale_temps(DIRECTORY)  # what the next run's chief does before it writes
+    _files.remove_stale_temps(DIRECTORY)  # what the next run's chief does before it writes
     trials.append(
         {
             "killed": os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL,

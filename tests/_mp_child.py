@@ -32,6 +32,7 @@ import tensorflow as tf  # noqa: E402
 from tensorflow.experimental import dtensor  # noqa: E402
 
 from tfdist import layouts  # noqa: E402
+from tfdist._compat import variables as keras_variables  # noqa: E402
 from tfdist.strategies import model_parallel  # noqa: E402
 from tfdist.strategies.model_parallel import ModelParallelStrategy  # noqa: E402
 
@@ -254,12 +255,12 @@ def scenario_subclassed():
     # would silently miss every variable of a model built later; the report says so.
     with strategy.scope():
         late = subclassed_block()
-    real = model_parallel._keras_compat.creating_variable_path
-    model_parallel._keras_compat.creating_variable_path = lambda: None
+    real = keras_variables.creating_variable_path
+    keras_variables.creating_variable_path = lambda: None
     try:
         late.predict(x[:16], verbose=0)
     finally:
-        model_parallel._keras_compat.creating_variable_path = real
+        keras_variables.creating_variable_path = real
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         late_report = strategy.placement_report(late, print_fn=None)
@@ -328,7 +329,7 @@ def scenario_unsafe_env():
         RESULT["refused"] = None
     except RuntimeError as e:
         RESULT["refused"] = str(e)
-    model_parallel.ensure_safe_dtensor_env = lambda: None  # force it, to show what the guard prevents
+    model_parallel.strategy.ensure_safe_dtensor_env = lambda: None  # force it, to show what the guard prevents
     x, y = tokens(64)
     fit = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0}
     ref = transformer_block()

@@ -1,10 +1,15 @@
-"""Real worker processes for the multi-worker tests: loopback ports, hard timeouts, killed by PID."""
+"""Child processes for the tests: the repository root, one clean environment, hard timeouts, kills by PID.
+
+Every test that starts a process builds its environment with `clean_env`: this process's
+environment without cluster descriptions or tfdist settings, the repository on PYTHONPATH.
+"""
 
 import contextlib
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 from tfdist import cluster as cluster_lib
@@ -12,12 +17,38 @@ from tfdist import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "_mw_worker.py")
+# Not inherited: a cluster (TF_CONFIG, Slurm), tfdist-launch's settings, and the DTensor option that
+# `import tfdist` sets in this process (a child starts without it, as a user's process does).
+NOT_INHERITED = ("TF_CONFIG", "SLURM_", "TFDIST_", "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION")
 
 
-def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TF_CONFIG", "SLURM_", "TFDIST_"))}
-    env.update(PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **extra)
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process: this one's less `NOT_INHERITED`, the repository on PYTHONPATH, then `extra`.
+
+    TensorFlow's C++ info and warning logs are off (TF_CPP_MIN_LOG_LEVEL=2) and Python's output
+    is unbuffered, unless `extra` says otherwise.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(NOT_INHERITED)}
+    env.update(PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    env.update(extra)
     return env
+
+
+def run(args, *, timeout: float, env: dict | None = None, **popen) -> subprocess.CompletedProcess:
+    """Runs `args` to the end in `clean_env(**env)` from the repository root, output captured as text.
+
+    Raises:
+        subprocess.TimeoutExpired: after `timeout` seconds (the process is killed).
+    """
+    popen.setdefault("stdin", subprocess.DEVNULL)
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, env=clean_env(**(env or {})), cwd=REPO, **popen
+    )
+
+
+def run_python(code: str, *, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs `code` (dedented) in a fresh Python process; see `run`."""
+    return run([sys.executable, "-c", textwrap.dedent(code)], timeout=timeout, env=env)
 
 
 class Procs:

@@ -8,11 +8,14 @@ tolerance 30%). With TensorFlow's default threads
 every simulated device already uses all cores, and the advisor rightly finds nothing to gain.
 """
 
+import dataclasses
 import json
+import os
 
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfdist
 from tfdist import advisor
@@ -167,3 +170,181 @@ def test_every_optimizer_choice_of_the_binary_is_a_keras_optimizer():
 
 def test_recommendations_are_the_documented_ones():
     assert advisor.RECOMMENDATIONS == ("one device", "data parallel", "model parallel", "hybrid")
+
+
+# ------------------------------------------------------------------ recommend(): the rules, without TensorFlow
+RULES = """
+import json, sys
+from tfdist.advice import Measurements, recommend
+
+GiB = 2**30
+
+
+def measured(n=4, *, layers=(), parameters=None, optimizer=0.0, activations=1.0, memory=None, batch=64,
+             step=0.040, compute=0.032, parallel=0.0085, all_reduce=0.001, overhead=0.0005):
+    parameters = sum(layers) if parameters is None else parameters
+    return Measurements(
+        devices=tuple(f"GPU:{i}" for i in range(n)), batch_size=batch, step_time=step, compute_time=compute,
+        parallel_compute_time=parallel, gradient_bytes=int(parameters * GiB), all_reduce_time=all_reduce,
+        overhead_time=overhead, parameter_bytes=int(parameters * GiB), optimizer_bytes=int(optimizer * GiB),
+        activation_bytes=int(activations * GiB), device_memory=None if memory is None else int(memory * GiB),
+        layer_bytes=tuple(int(b * GiB) for b in layers))
+
+
+def usable(gib):  # a device whose usable share (MEMORY_HEADROOM) is `gib`
+    return gib / 0.9
+
+
+CASES = {
+    # fits one device; 4 devices compute 3.76x faster and the all-reduce is small
+    "fast": measured(layers=(0.1,), memory=16),
+    # fits one device; the all-reduce costs more than the whole step
+    "communication": measured(layers=(0.001,), step=0.001, compute=0.0008, parallel=0.0003, all_reduce=0.002),
+    # state 1 GiB + activations 8 GiB > 3.6 usable, but 1 + 8/4 fits
+    "fit_by_data": measured(layers=(0.5, 0.5), activations=8, memory=4),
+    # 16 equal layers, 8 GiB: 2 stages of 4 GiB + 1/4 of the activations fit 4.6 GiB; a model axis needs 2 too
+    "deep_stack": measured(layers=(0.5,) * 16, activations=1, memory=usable(4.6)),
+    # the same with Adam's two moments (state 3x the weights) on 8 devices
+    "deep_stack_adam": measured(8, layers=(0.25,) * 16, optimizer=8, activations=1, memory=usable(3.5)),
+    # one 6 GiB layer and three small ones: no balanced stages, so a model axis
+    "unbalanced": measured(layers=(6, 0.5, 0.5, 0.5), activations=1, memory=usable(4.6)),
+    # 3 layers: too shallow for 2 stages of 2 layers
+    "shallow": measured(layers=(3, 3, 2), activations=1, memory=usable(4.6)),
+    # big activations: no model axis fits (6/2 + 8/2 > 5.4, 6/4 + 8 > 5.4), 2 stages do (3 + 8/4)
+    "activations": measured(layers=(0.5,) * 12, activations=8, memory=usable(5.4)),
+    # 2 stages would not fit (5.5 + 0.25 > 5.6), 4 would, but a model axis of 2 fits (5 + 0.5): that one
+    "model_axis_smaller": measured(layers=(1.5,) * 4 + (1,) * 4, activations=1, memory=usable(5.6)),
+    # 16 GiB needs 4 stages, and a batch of 4 gives 4 micro-batches: a bubble of 3/7 (> 1/3), so a model axis
+    "small_batch": measured(layers=(1,) * 16, activations=0.01, memory=usable(4.5), batch=4),
+}
+out = {}
+for name, m in CASES.items():
+    r = recommend(m)
+    out[name] = {"recommendation": r.recommendation, "strategy": r.strategy, "mesh": r.mesh,
+                 "microbatches": r.microbatches, "speedup": r.predicted_speedup, "reasons": list(r.reasons)}
+errors = {}
+for name, kwargs in {"no_devices": {"n": 0}, "negative_time": {"all_reduce": -1.0}, "nan": {"step": float("nan")},
+                     "batch": {"batch": 2}}.items():
+    try:
+        measured(**kwargs)
+    except ValueError as e:
+        errors[name] = str(e)
+try:
+    recommend(CASES["fast"], min_speedup=0)
+except ValueError as e:
+    errors["min_speedup"] = str(e)
+print(json.dumps({"cases": out, "errors": errors, "tensorflow": "tensorflow" in sys.modules,
+                  "keras": "keras" in sys.modules}))
+"""
+
+
+@pytest.fixture(scope="module")
+def rules():
+    from _procs import run_python  # (a local import: WIDE's subprocess imports this module without tests/)
+
+    proc = run_python(RULES, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_recommend_is_pure_python(rules):
+    assert rules["tensorflow"] is False and rules["keras"] is False
+
+
+def test_recommend_data_parallel_or_one_device_when_the_model_fits(rules):
+    fast, slow = rules["cases"]["fast"], rules["cases"]["communication"]
+    # predicted step 8.5 compute + 1 all-reduce + 8 x 4 / 3.76 updates + 0.5 overhead = 18.5 ms: 40 / 18.5
+    assert fast["speedup"] == pytest.approx(0.040 / (0.0085 + 0.001 + 0.008 * 4 / (0.032 / 0.0085) + 0.0005))
+    assert (fast["recommendation"], fast["strategy"], fast["mesh"]) == (
+        "data parallel", "DataParallelStrategy", {"batch": 4}
+    )
+    assert (slow["recommendation"], slow["strategy"], slow["mesh"]) == ("one device", None, None)
+    assert any("communication would dominate" in r for r in slow["reasons"])
+    fit = rules["cases"]["fit_by_data"]
+    assert (fit["recommendation"], fit["mesh"]) == ("data parallel", {"batch": 4})
+    assert "1/4 of it does" in fit["reasons"][0]
+
+
+def test_recommend_pipeline_for_a_deep_balanced_stack(rules):
+    deep = rules["cases"]["deep_stack"]
+    assert (deep["recommendation"], deep["strategy"], deep["mesh"], deep["microbatches"]) == (
+        "hybrid", "PipelineStrategy", {"batch": 2, "stage": 2}, 8  # 32 examples per replica, 4 per stage
+    )
+    assert "tfdist.PipelineStrategy(stages=2, microbatches=8, replicas=2)" in deep["reasons"][-1]
+    assert "bubble is 11%" in deep["reasons"][-2]  # (2 - 1) / (8 + 2 - 1)
+    adam = rules["cases"]["deep_stack_adam"]  # 12 GiB of state: 4 stages of 3 GiB on 8 devices
+    assert (adam["strategy"], adam["mesh"], adam["microbatches"]) == ("PipelineStrategy", {"batch": 2, "stage": 4}, 16)
+    wide = rules["cases"]["activations"]  # no model axis fits at all
+    assert (wide["recommendation"], wide["strategy"], wide["mesh"]) == (
+        "hybrid", "PipelineStrategy", {"batch": 2, "stage": 2}
+    )
+
+
+def test_recommend_a_model_axis_when_stages_do_not_pay(rules):
+    for name in ("unbalanced", "shallow", "model_axis_smaller"):
+        case = rules["cases"][name]
+        assert (case["recommendation"], case["strategy"], case["mesh"]) == (
+            "hybrid", "ModelParallelStrategy", {"batch": 2, "model": 2}
+        ), name
+        assert "tfdist.ModelParallelStrategy(mesh={'batch': 2, 'model': 2}" in case["reasons"][-1], name
+    small = rules["cases"]["small_batch"]
+    assert (small["strategy"], small["mesh"]) == ("ModelParallelStrategy", {"batch": 1, "model": 4})
+
+
+def test_bad_measurements_name_the_field(rules):
+    errors = rules["errors"]
+    assert "Measurements.devices" in errors["no_devices"]
+    assert "all_reduce_time=-1.0" in errors["negative_time"]
+    assert "step_time=nan" in errors["nan"]
+    assert "2 example(s) cannot be split over 4 devices" in errors["batch"]
+    assert "min_speedup=0" in errors["min_speedup"]
+
+
+def test_advice_holds_the_measurements_and_the_recommendation():
+    from tfdist import advice
+
+    names = {f.name for f in dataclasses.fields(advisor.Advice)}
+    assert names == {f.name for f in dataclasses.fields(advice.Measurements)} | {
+        f.name for f in dataclasses.fields(advice.Recommendation)
+    }
+    assert advisor.Advice is advice.Advice and advisor.RECOMMENDATIONS is advice.RECOMMENDATIONS
+
+
+def test_a_deep_stack_that_does_not_fit_one_device_gets_pipeline_stages():
+    devices = [f"CPU:{i}" for i in range(4)]
+    model = mlp(32, 8, optimizer="adam")
+    data = batch(8, 32)
+    base = tfdist.advise(model, data, devices=devices, rounds=1)
+    assert base.layer_bytes == (4 * (32 * 32 + 32),) * 8 + (4 * (32 * 10 + 10),)  # each Dense layer's weights
+    state, act = base.parameter_bytes + base.optimizer_bytes, base.activation_bytes
+    # 2 stages: layers 0-3 | 4-8, the heavier 4,554 of the 8,778 weights (52%) with its Adam moments.
+    memory = int((0.55 * state + act / 4) / advisor.MEMORY_HEADROOM)
+    piped = tfdist.advise(model, data, devices=devices, rounds=1, device_memory=memory)
+    assert (piped.recommendation, piped.strategy, piped.mesh, piped.microbatches) == (
+        "hybrid", "PipelineStrategy", {"batch": 2, "stage": 2}, 4  # 4 examples per replica
+    )
+    assert "tfdist.PipelineStrategy(stages=2, microbatches=4, replicas=2)" in str(piped)
+
+
+def test_the_advisor_and_benchmarks_all_reduce_through_the_public_function():
+    from _procs import REPO as root  # (a local import: WIDE's subprocess imports this module without tests/)
+
+    from tfdist.strategies import collectives
+
+    for path in ["tfdist/advisor.py", *(f"benchmarks/{n}" for n in os.listdir(os.path.join(root, "benchmarks"))
+                                         if n.endswith(".py"))]:
+        with open(os.path.join(root, path)) as f:
+            assert "extended._tfdist" not in f.read(), path
+    strategy = tfdist.DataParallelStrategy(devices=["CPU:0", "CPU:1"])
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: [tf.fill([3], float(ctx.replica_id_in_sync_group + 1))]
+    )
+    summed = strategy.run(lambda g: collectives.all_reduce_gradients(strategy, g), args=(values,))
+    for part in strategy.experimental_local_results(summed[0]):
+        np.testing.assert_array_equal(part.numpy(), [3.0, 3.0, 3.0])  # 1 + 2 on every replica
+    # Any other strategy: its replica context's all-reduce (here the default strategy's one replica).
+    default = tf.distribute.get_strategy()
+    alone = default.run(lambda: collectives.all_reduce_gradients(default, [tf.fill([3], 2.0)]))
+    np.testing.assert_array_equal(alone[0].numpy(), [2.0, 2.0, 2.0])
+    with pytest.raises(RuntimeError, match=r"inside strategy.run"):
+        collectives.all_reduce_gradients(strategy, [tf.ones([3])])

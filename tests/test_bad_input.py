@@ -10,20 +10,17 @@ reading the corpus, before TensorFlow loads (well under a second each); the rest
 import math
 import os
 import re
-import subprocess
 import sys
 import time
 
+import _procs
 import pytest
 
 from tfdist import _validate
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ERROR_TIMEOUT_S = 60
 PROGRAMS = {"tfdist-train": "tfdist.train", "tfdist-advise": "tfdist.advisor"}
 CORES = os.cpu_count()
-_CLUSTER_ENV = ("TF_CONFIG", "TFDIST_JOIN_TIMEOUT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST",
-                "SLURM_STEP_NODELIST")
 # A small corpus for the cases that get past reading it.
 SMALL = "--corpus={text}"
 
@@ -128,17 +125,8 @@ def test_bad_input_ends_with_one_line_naming_it_and_exit_2(paths, prog, args, en
     for name, path in paths.items():  # fill in the placeholders, quoted in the regular expression
         args = [a.replace(f"{{{name}}}", path) for a in args]
         expected = expected.replace(f"{{{name}}}", re.escape(path))
-    clean = {k: v for k, v in os.environ.items() if k not in _CLUSTER_ENV}
     start = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", PROGRAMS[prog], *args],
-        capture_output=True,
-        text=True,
-        timeout=ERROR_TIMEOUT_S,
-        env={**clean, "PYTHONPATH": REPO, **(env or {})},
-        cwd=REPO,
-        stdin=subprocess.DEVNULL,
-    )
+    result = _procs.run([sys.executable, "-m", PROGRAMS[prog], *args], timeout=ERROR_TIMEOUT_S, env=env)
     elapsed = time.monotonic() - start
     assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
     assert "Traceback" not in result.stderr

@@ -13,12 +13,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _procs import REPO
+from _procs import clean_env
 
 import tfdist
 import tfdist.callbacks as cb
-from tfdist.callbacks import _state
+from tfdist.callbacks import _files
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 X = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
 Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32")).astype("float32")
 
@@ -50,7 +51,7 @@ def test_checkpoint_every_n_steps_keeps_last_k_and_the_best(strategy, tmp_path):
     model = make_model(strategy)  # the loss falls, so with mode="max" the first checkpoint is the best
     ckpt = cb.Checkpoint(tmp_path, every_n_steps=3, every_n_epochs=None, keep=2, monitor="loss", mode="max")
     fit(model, [ckpt], epochs=3)  # 4 steps per epoch: saves at steps 3, 6, 9, 12
-    losses = {s: _state.read_meta(p)["monitor_value"] for s, p in _state.list_checkpoints(str(tmp_path), "ckpt")}
+    losses = {s: _files.read_meta(p)["monitor_value"] for s, p in _files.list_checkpoints(str(tmp_path), "ckpt")}
     assert sorted(losses) == [3, 9, 12]
     assert ckpt.best == str(tmp_path / "ckpt-000000003.npz")
     assert losses[3] > max(losses[9], losses[12])
@@ -77,7 +78,7 @@ def test_checkpoint_every_epoch_and_max_mode(tmp_path):
     fit(model, [Neg(), ckpt], epochs=3)
     assert sorted(os.listdir(tmp_path)) == ["ckpt-000000004.npz", "ckpt-000000012.npz"]
     assert ckpt.best.endswith("ckpt-000000004.npz")
-    assert _state.read_meta(ckpt.best)["epoch"] == 1
+    assert _files.read_meta(ckpt.best)["epoch"] == 1
 
 
 def test_truncated_and_corrupt_checkpoints_are_skipped_with_a_warning(tmp_path):
@@ -305,8 +306,7 @@ def test_public_names():
 
 # ------------------------------------------------------------------ ModelParallelStrategy (own process)
 def test_callbacks_under_model_parallel_strategy(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"}
-    env.update(PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
+    env = clean_env(TF_CPP_MIN_LOG_LEVEL="3")
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "tests", "_cb_mp_child.py"), str(tmp_path)],
         capture_output=True,
@@ -319,6 +319,7 @@ def test_callbacks_under_model_parallel_strategy(tmp_path):
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["kernel_layout"] == r["restored_kernel_layout"] == "['unsharded', 'model']"
     assert r["sync_checks"] == 7 and r["replicas"] == 2
+    assert r["topology"] == {"worker_index": 0, "num_workers": 1, "data_parallel_size": 2}  # the batch axis
     assert r["checkpoints"] == ["ckpt-000000010.npz", "ckpt-000000015.npz"]
     assert r["backups_after_crash"] == ["backup-000000004.npz", "backup-000000006.npz"]
     assert r["restored_step"] == 6 and r["resume_max_diff"] <= 1e-5

@@ -113,8 +113,9 @@ def test_multi_worker_crash_and_sigterm_to_one_worker_resume_equals_uninterrupte
     addresses = _procs.workers(2)
     run = [_start(procs, outs[i], "multi", addresses, i, ckpt=ckpt, **opts) for i in range(2)]
     assert procs.wait(run, timeout=150) == [0, 0], [procs.log(i)[-3000:] for i in run]
-    for i in run:
+    for rank, i in enumerate(run):
         assert "restored step 11" in procs.log(i)
+        assert f"topology Topology(worker_index={rank}, num_workers=2, data_parallel_size=2)" in procs.log(i)
     for out in outs:
         _assert_same(out, tmp_path / "ref.npz")
     # MetricAverage: each worker timed its own steps (Throughput), yet both logged the same averages.
@@ -123,9 +124,9 @@ def test_multi_worker_crash_and_sigterm_to_one_worker_resume_equals_uninterrupte
     np.testing.assert_array_equal(times[0], times[1])
     # The chief wrote the checkpoints (the last 2 of steps 12 and 15); the other worker left nothing behind.
     assert sorted(os.listdir(ckpt)) == ["ckpt-000000012.npz", "ckpt-000000015.npz"]
-    from tfdist.callbacks import _state
+    from tfdist.callbacks import _files
 
-    meta, arrays = _state.read_file(str(ckpt / "ckpt-000000015.npz"))
+    meta, arrays = _files.read_file(str(ckpt / "ckpt-000000015.npz"))
     for a, b in zip(arrays[: len(_weights(outs[0])[0])], _weights(outs[0])[0]):
         np.testing.assert_array_equal(a, b)
 
@@ -176,13 +177,13 @@ def test_kill_9_during_checkpoint_write_leaves_previous_checkpoint_intact(procs,
     temp, first_ckpt = sorted(os.listdir(directory))
     assert first_ckpt == "ckpt-000000002.npz" and temp.startswith(".ckpt-000000004.npz.tmp-")
     assert tfdist.callbacks.latest_checkpoint(directory) == str(directory / "ckpt-000000002.npz")
-    meta, arrays = tfdist.callbacks.checkpoint._state.read_file(str(directory / "ckpt-000000002.npz"))
+    meta, arrays = tfdist.callbacks.checkpoint._files.read_file(str(directory / "ckpt-000000002.npz"))
     first = np.load(tmp_path / "first.npz")
     assert meta["step"] == 2
     for k, a in enumerate([first[f"arr_{j}"] for j in range(4)]):
         np.testing.assert_array_equal(arrays[k], a)
     # The next run's chief removes the stale temporary file before it writes.
-    tfdist.callbacks.checkpoint._state.remove_stale_temps(str(directory))
+    tfdist.callbacks.checkpoint._files.remove_stale_temps(str(directory))
     assert os.listdir(directory) == ["ckpt-000000002.npz"]
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import tfdist.callbacks as cb
-from tfdist.callbacks import _state
+from tfdist.callbacks import _files
 
 X = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
 Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32")).astype("float32")
@@ -154,7 +154,7 @@ def test_crafted_newest_checkpoint_is_skipped_for_the_older_one_and_refused_by_r
         tracemalloc.stop()
     assert peak < 16 * 2**20  # validated before anything the size of a claimed array is allocated
     with pytest.warns(cb.CheckpointCorruptWarning):
-        step, path, meta, arrays = _state.newest_valid(str(ckpt_dir), "ckpt")
+        step, path, meta, arrays = _files.newest_valid(str(ckpt_dir), "ckpt")
     assert (step, path, meta["step"]) == (4, str(ckpt_dir / OLDER), 4)
     with pytest.raises(ValueError, match=re.escape(str(newest)) + " is truncated or corrupt: .*" + reason):
         cb.restore_checkpoint(make_model(), newest)
@@ -242,7 +242,7 @@ def test_symlinks_planted_at_guessable_names_are_never_written_through(tmp_path)
     assert final_victim.read_bytes() == b"other root-owned data"
     first = directory / OLDER  # the link there was replaced by the checkpoint file, not written through
     assert not first.is_symlink() and stat.S_IMODE(first.stat().st_mode) == 0o666 & ~umask
-    meta, _ = _state.read_file(str(first))
+    meta, _ = _files.read_file(str(first))
     assert meta["step"] == 4
     assert cb.latest_checkpoint(directory) == str(directory / NEWEST)
 
@@ -255,7 +255,7 @@ def test_other_workers_write_in_a_private_directory_not_a_planted_one(tmp_path):
     os.symlink(victim_dir, directory / ".worker-1-tmp")  # the old fixed name
     os.symlink(victim_dir, directory / ".worker-1-tmp-abcd1234")  # looks like a stale one of worker 1
     arrays = [np.arange(12, dtype="float32").reshape(3, 4)]
-    assert _state.save(str(directory), "ckpt", 4, ["w"], arrays, {"step": 4}, rank=1) is None
+    assert _files.save(str(directory), "ckpt", 4, ["w"], arrays, {"step": 4}, rank=1) is None
     assert sorted(os.listdir(victim_dir)) == ["kept"] and (victim_dir / "kept").read_text() == "x"
     assert sorted(os.listdir(directory)) == [".worker-1-tmp"]  # only the link of the old name, left alone
 
@@ -278,13 +278,13 @@ def test_stale_temp_cleanup_matches_the_temp_names_and_follows_no_symlink(tmp_pa
         (directory / name).write_bytes(b"partial")
     os.symlink(victim, directory / ".ckpt-000000006.npz.tmp-deadbeef")
     os.symlink(victim_dir, directory / ".ckpt-000000008.npz.tmp-feedface")
-    _state.remove_stale_temps(str(directory))
+    _files.remove_stale_temps(str(directory))
     assert sorted(os.listdir(directory)) == [".keep", ".model.keras.tmp-ab12cd34", OLDER, "notes.txt"]
     assert victim.read_text() == "v" and os.listdir(victim_dir) == ["inside"]
     staging = directory / ".model.keras.tmp-0a1b2c3d"  # what an interrupted `write_keras_model` leaves
     staging.mkdir()
     (staging / "model.keras").write_bytes(b"partial")
-    _state.remove_stale_temps(str(directory), ending=".keras")
+    _files.remove_stale_temps(str(directory), ending=".keras")
     assert sorted(os.listdir(directory)) == [".keep", OLDER, "notes.txt"]
 
 
@@ -323,18 +323,18 @@ def _no_space(fd):
 @pytest.mark.parametrize("where", ["mid_write", "at_fsync", "mid_write_over_the_same_name"])
 def test_disk_full_during_a_write_keeps_the_previous_checkpoint_and_removes_the_temp(tmp_path, monkeypatch, where):
     first = str(tmp_path / "ckpt-000000002.npz")
-    _state.write_file(first, ["a", "b"], ARRAYS, {"step": 2})
+    _files.write_file(first, ["a", "b"], ARRAYS, {"step": 2})
     target = first if where == "mid_write_over_the_same_name" else str(tmp_path / "ckpt-000000004.npz")
     if where == "at_fsync":
         monkeypatch.setattr(os, "fsync", _no_space)
     else:
         monkeypatch.setattr(os, "fdopen", _disk_full_after(100_000))  # of ~164 KB
     with pytest.raises(cb.CheckpointWriteError, match=re.escape(repr(target)) + ": No space left on device") as e:
-        _state.write_file(target, ["a", "b"], [a + 1 for a in ARRAYS], {"step": 4})
+        _files.write_file(target, ["a", "b"], [a + 1 for a in ARRAYS], {"step": 4})
     monkeypatch.undo()
     assert isinstance(e.value, OSError) and e.value.errno == errno.ENOSPC
     assert os.listdir(tmp_path) == ["ckpt-000000002.npz"]  # the temporary file is gone
-    meta, arrays = _state.read_file(first)
+    meta, arrays = _files.read_file(first)
     assert meta["step"] == 2
     for a, b in zip(arrays, ARRAYS):
         np.testing.assert_array_equal(a, b)
@@ -345,25 +345,25 @@ def test_write_into_a_directory_that_cannot_exist_names_the_path(tmp_path):
     a_file.write_text("x")
     target = str(a_file / "ckpt-000000002.npz")
     with pytest.raises(cb.CheckpointWriteError, match=re.escape(repr(target))):
-        _state.write_file(target, ["a"], ARRAYS[:1], {"step": 2})
+        _files.write_file(target, ["a"], ARRAYS[:1], {"step": 2})
     with pytest.raises(cb.CheckpointWriteError, match=re.escape(repr(str(a_file / "ckpt-000000002.npz")))):
-        _state.save(str(a_file), "ckpt", 2, ["a"], ARRAYS[:1], {"step": 2}, rank=1)
+        _files.save(str(a_file), "ckpt", 2, ["a"], ARRAYS[:1], {"step": 2}, rank=1)
 
 
 def test_keras_model_is_written_atomically(tmp_path, monkeypatch):
     model = make_model()
     fit(model, [], epochs=1)
     path = str(tmp_path / "model.keras")
-    _state.write_keras_model(model, path)
+    _files.write_keras_model(model, path)
     first = model.get_weights()
     fit(model, [], epochs=1)
     monkeypatch.setattr(os, "fsync", _no_space)
     with pytest.raises(cb.CheckpointWriteError, match=re.escape(repr(path)) + ": No space left on device"):
-        _state.write_keras_model(model, path)
+        _files.write_keras_model(model, path)
     monkeypatch.undo()
     assert os.listdir(tmp_path) == ["model.keras"]  # no staging directory left
     for a, b in zip(keras.saving.load_model(path).get_weights(), first):  # the earlier model, intact
         np.testing.assert_array_equal(a, b)
-    _state.write_keras_model(model, path)
+    _files.write_keras_model(model, path)
     for a, b in zip(keras.saving.load_model(path).get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)

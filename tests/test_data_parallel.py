@@ -77,8 +77,12 @@ def sgd():
     ],
 )
 def test_fit_matches_single_device(n, batch_size):
+    assert_fit_matches_single_device(n, batch_size)
+
+
+def assert_fit_matches_single_device(n, batch_size, strategy=None):
     x, y = data(n)
-    ref, ref_hist, dist, dist_hist = train_both(sgd, x, y, batch_size=batch_size)
+    ref, ref_hist, dist, dist_hist = train_both(sgd, x, y, batch_size=batch_size, strategy=strategy)
     assert_weights_close(ref, dist, SGD_ATOL)
     np.testing.assert_allclose(dist_hist["loss"], ref_hist["loss"], rtol=LOSS_RTOL)
     np.testing.assert_allclose(dist_hist["accuracy"], ref_hist["accuracy"], rtol=LOSS_RTOL)
@@ -289,6 +293,26 @@ def test_fit_modes_match_single_device(compile_kwargs):
 
 def test_reshuffling_dataset_trains_on_the_same_order_as_one_device():
     """A `shuffle()`d dataset reshuffles on every pass; building the model must not start a pass."""
+    assert_reshuffling_dataset_trains_on_the_same_order(tfdist.DataParallelStrategy(devices=DEVICES))
+
+
+class UserDataParallelStrategy(tfdist.DataParallelStrategy):
+    """A user's subclass, defined outside tfdist (in this test module): it keeps every fix."""
+
+    def __repr__(self):
+        return "UserDataParallelStrategy()"
+
+
+def test_a_users_subclass_keeps_the_uneven_first_batch_fix():
+    # 10 examples in a batch of 16 over 4 replicas: the first batch splits unevenly (plain MirroredStrategy crashes).
+    assert_fit_matches_single_device(10, 16, strategy=UserDataParallelStrategy(devices=DEVICES))
+
+
+def test_a_users_subclass_keeps_the_reshuffle_order():
+    assert_reshuffling_dataset_trains_on_the_same_order(UserDataParallelStrategy(devices=DEVICES))
+
+
+def assert_reshuffling_dataset_trains_on_the_same_order(strategy):
     x, y = data(64)
 
     def dataset():
@@ -296,7 +320,7 @@ def test_reshuffling_dataset_trains_on_the_same_order_as_one_device():
 
     ref = cnn(sgd)
     ref.fit(dataset(), epochs=2, verbose=0)
-    with tfdist.DataParallelStrategy(devices=DEVICES).scope():
+    with strategy.scope():
         dist = cnn(sgd)
     dist.fit(dataset(), epochs=2, verbose=0)
     assert_weights_close(ref, dist, SGD_ATOL)

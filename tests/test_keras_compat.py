@@ -1,5 +1,6 @@
 """The private TF/Keras hooks: installed, still matching the code they replace, and still needed."""
 
+import dataclasses
 import itertools
 
 import keras
@@ -8,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist.strategies import _keras_compat
+from tfdist import _compat
 
 DEVICES = [f"CPU:{i}" for i in range(4)]
 _KEY_BASES = itertools.count(1)
@@ -26,27 +27,77 @@ def plain_mirrored(devices):
 
 def test_installed_versions_are_the_checked_ones():
     # Fails loudly the day the pins move: re-check every hook, then update CHECKED_ON.
-    assert _keras_compat.versions_match(), (tf.__version__, keras.__version__, _keras_compat.CHECKED_ON)
+    assert _compat.versions_match(), (tf.__version__, keras.__version__, _compat.CHECKED_ON)
 
 
 def test_every_hook_still_matches_the_code_it_replaces():
-    _keras_compat.check_hooks()
+    _compat.check_hooks()
 
 
 def test_strategy_installs_the_hooks():
     tfdist.DataParallelStrategy(devices=DEVICES)
-    assert _keras_compat.installed()
+    assert _compat.installed("data_parallel")
 
 
 def test_a_changed_internal_raises_compat_error_naming_the_hook(monkeypatch):
     def scale_loss_for_distribution(value):
         return value
 
-    hooks = list(_keras_compat._HOOKS)
-    hooks[0] = ("loss_scaling", scale_loss_for_distribution, ("num_replicas_in_sync",))
-    monkeypatch.setattr(_keras_compat, "_HOOKS", tuple(hooks))
-    with pytest.raises(_keras_compat.CompatError, match=r"'loss_scaling' no longer applies.*num_replicas_in_sync"):
-        _keras_compat.check_hooks()
+    hooks = list(_compat.HOOKS)
+    assert hooks[0].name == "loss_scaling"
+    hooks[0] = dataclasses.replace(hooks[0], probe=scale_loss_for_distribution, needles=("num_replicas_in_sync",))
+    monkeypatch.setattr(_compat, "HOOKS", tuple(hooks))
+    with pytest.raises(_compat.CompatError, match=r"'loss_scaling' no longer applies.*num_replicas_in_sync"):
+        _compat.check_hooks()
+
+
+def test_every_hook_belongs_to_a_feature_and_names_are_unique():
+    names = [h.name for h in _compat.HOOKS]
+    assert len(names) == len(set(names)), names
+    assert all(h.features and h.features <= set(_compat.FEATURES) for h in _compat.HOOKS)
+    assert tfdist.CompatError is _compat.CompatError
+
+
+def test_installing_a_feature_probes_only_its_hooks(python_subprocess):
+    # In a fresh process: which hooks are installed is process-wide state.
+    done = python_subprocess(
+        """
+        import dataclasses
+        import tfdist
+        tfdist.simulate_devices(2)
+        from tfdist import _compat
+        assert "layer_call" in {h.name for h in _compat.hooks_for("pipeline")}
+        assert "layer_call" not in {h.name for h in _compat.hooks_for("data_parallel")}
+        _compat.HOOKS = tuple(
+            dataclasses.replace(h, needles=h.needles + ("a line Keras never had",)) if h.name == "layer_call" else h
+            for h in _compat.HOOKS
+        )
+        strategy = tfdist.DataParallelStrategy(devices=["CPU:0", "CPU:1"])
+        print("data parallel constructed:", strategy.num_replicas_in_sync, _compat.installed("data_parallel"))
+        try:
+            tfdist.PipelineStrategy(stages=2, microbatches=2, devices=["CPU:0", "CPU:1"])
+        except tfdist.CompatError as e:
+            print("pipeline refused:", e)
+        print("pipeline installed:", _compat.installed("pipeline"))
+        """,
+        timeout=180,
+    )
+    out = done.stdout + done.stderr[-3000:]
+    assert "data parallel constructed: 2 True" in done.stdout, out
+    assert "pipeline refused: tfdist hook 'layer_call' no longer applies" in done.stdout, out
+    assert "a line Keras never had" in done.stdout, out
+    assert "pipeline installed: False" in done.stdout, out
+
+
+def test_hooks_act_under_a_users_subclass_and_not_under_other_strategies():
+    from tfdist.strategies import _extended
+
+    class MyStrategy(tfdist.DataParallelStrategy):  # defined outside tfdist, as a user would
+        pass
+
+    assert _extended.extended_of(MyStrategy(devices=DEVICES[:2])) is not None
+    assert _extended.extended_of(plain_mirrored(DEVICES[:2])) is None
+    assert _extended.extended_of(tf.distribute.get_strategy()) is None
 
 
 def _mlp(optimizer):

@@ -7,7 +7,6 @@ import shutil
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
 
@@ -142,14 +141,8 @@ def test_only_the_jobs_workers_reach_a_worker_in_the_private_network(network, us
 def without_user_namespaces(*launch_args):
     """Runs tfdist-launch where creating a user namespace fails (a namespace allowing no more of them)."""
     script = 'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"'
-    return subprocess.run(
-        ["unshare", "--user", "--map-root-user", "sh", "-c", script, "sh", *LAUNCH, *launch_args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=_procs.clean_env(),
-        cwd=_procs.REPO,
-    )
+    command = ["unshare", "--user", "--map-root-user", "sh", "-c", script, "sh", *LAUNCH, *launch_args]
+    return _procs.run(command, timeout=60)
 
 
 @needs_user_namespaces

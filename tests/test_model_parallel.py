@@ -13,8 +13,9 @@ import subprocess
 import sys
 
 import pytest
+from _procs import REPO
+from _procs import clean_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = os.path.join(REPO, "tests", "_mp_child.py")
 LOSS_RTOL = 1e-4
 ADAM_ATOL = 1e-4
@@ -22,8 +23,7 @@ TIMEOUT_S = 240
 
 
 def run_scenario(name, out_dir, *extra, env=None):
-    full_env = {k: v for k, v in os.environ.items() if k != "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"}
-    full_env.update(PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
+    full_env = clean_env(TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
     proc = subprocess.run(
         [sys.executable, CHILD, name, str(out_dir), *map(str, extra)],
         capture_output=True,

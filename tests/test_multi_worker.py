@@ -5,6 +5,7 @@ with a hard timeout, and kills them (by process group) in teardown. Weights are 
 single-process Keras run on the same global batch.
 """
 
+import dataclasses
 import re
 import time
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import tfdist
-from tfdist.strategies import _keras_compat
+from tfdist import _compat
 
 ATOL = 1e-6
 
@@ -146,16 +147,17 @@ def test_absent_peers_are_bounded(procs, tmp_path):
 
 
 def test_multi_worker_hooks_are_registered_and_checked(monkeypatch):
-    names = {name for name, _, _ in _keras_compat._HOOKS}
+    names = {h.name for h in _compat.hooks_for("multi_worker")}
     assert {"multi_worker_reduce", "multi_worker_check", "symbolic_build"} <= names
-    _keras_compat.check_hooks()
+    _compat.check_hooks()
+    broken = "a line Keras never had"
     hooks = tuple(
-        (name, target, needles + ("a line Keras never had",) if name == "multi_worker_reduce" else needles)
-        for name, target, needles in _keras_compat._HOOKS
+        dataclasses.replace(h, needles=h.needles + (broken,)) if h.name == "multi_worker_reduce" else h
+        for h in _compat.HOOKS
     )
-    monkeypatch.setattr(_keras_compat, "_HOOKS", hooks)
-    with pytest.raises(_keras_compat.CompatError, match="multi_worker_reduce"):
-        _keras_compat.check_hooks()
+    monkeypatch.setattr(_compat, "HOOKS", hooks)
+    with pytest.raises(_compat.CompatError, match="multi_worker_reduce"):
+        _compat.check_hooks()
 
 
 @pytest.mark.parametrize(
@@ -240,9 +242,10 @@ def test_step_deadline_aborts_only_functions_with_collectives(python_subprocess)
         tfdist.simulate_devices(2)
         import time
         import tensorflow as tf
-        from tfdist.strategies import _deadline, _keras_compat
+        from tfdist._compat import step_deadline
+        from tfdist.strategies import _deadline
 
-        _keras_compat.set_step_deadline(_deadline.StepDeadline(timeout=0.5, what="this test"))
+        step_deadline.set_step_deadline(_deadline.StepDeadline(timeout=0.5, what="this test"))
 
         def slow(x):
             time.sleep(1.5)

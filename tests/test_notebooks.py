@@ -1,13 +1,13 @@
 """Every notebook in notebooks/ runs top to bottom (in its own kernel process) without an error."""
 
-import os
 import pathlib
 
+import _procs
 import nbclient
 import nbformat
 import pytest
 
-NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((pathlib.Path(_procs.REPO) / "notebooks").glob("*.ipynb"))
 
 
 def test_there_are_notebooks():
@@ -15,19 +15,17 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path, monkeypatch):
+def test_notebook_runs(path):
     notebook = nbformat.read(path, as_version=4)
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), (
         f"{path.name} is committed with outputs; strip them"
     )
-    repo = str(path.parent.parent)  # the kernel imports this checkout's tfdist
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
-    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend draws PNG outputs
+    env = _procs.clean_env()  # the kernel imports this checkout's tfdist
+    env.pop("MPLBACKEND", None)  # the kernel's inline backend draws PNG outputs
     client = nbclient.NotebookClient(
         notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     )
-    client.execute()
+    client.execute(env=env)
     images = [
         output
         for cell in notebook.cells

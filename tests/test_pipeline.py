@@ -135,6 +135,35 @@ def test_uneven_final_batch_and_empty_microbatches():
     compare(lambda: mlp6("sgd"), x, y, tfdist.PipelineStrategy(stages=2, microbatches=4), atol=SGD_ATOL)
 
 
+class UserPipelineStrategy(tfdist.PipelineStrategy):
+    """A user's subclass, defined outside tfdist (in this test module): it keeps every fix."""
+
+
+def test_a_users_subclass_keeps_the_uneven_first_batch_fix():
+    # 9 examples in a global batch of 16: the first (only) batch splits 5/4 over the 2 replicas, which
+    # crashes Keras' own symbolic build (AddN of unequal shapes), then 3/2 and 2/2 over micro-batches.
+    x, y = mlp_data(9)
+    strategy = UserPipelineStrategy(stages=2, microbatches=2, replicas=2, devices=[f"CPU:{i}" for i in range(4)])
+    compare(lambda: mlp6("sgd"), x, y, strategy, atol=SGD_ATOL, batch_size=16)
+
+
+def test_a_users_subclass_keeps_the_reshuffle_order():
+    """A `shuffle()`d dataset reshuffles on every pass; building the model must not start a pass."""
+    x, y = mlp_data(32)
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(32, seed=5).batch(8)
+
+    ref = mlp6("sgd")
+    ref.fit(dataset(), epochs=2, verbose=0)
+    strategy = UserPipelineStrategy(stages=2, microbatches=2, replicas=2, devices=[f"CPU:{i}" for i in range(4)])
+    with strategy.scope():
+        model = mlp6("sgd")
+    model.fit(dataset(), epochs=2, verbose=0)
+    for a, b in zip(ref.weights, model.weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), atol=SGD_ATOL, rtol=0, err_msg=a.path)
+
+
 def test_explicit_placement_creates_weights_on_their_stage():
     strategy = tfdist.PipelineStrategy(stages=2, microbatches=2, placement={"d[0-1]": 0, "d[2-5]": 1})
     with strategy.scope():
@@ -494,7 +523,7 @@ def test_docstring_examples_run(python_subprocess):
         import tfdist
         tfdist.simulate_devices(2)
         from tfdist.placement import pipeline as placement
-        from tfdist.strategies import pipeline as strategy
+        from tfdist.strategies.pipeline import strategy
         for module in (placement, strategy):
             outcome = doctest.testmod(module)
             assert outcome.attempted > 0 and outcome.failed == 0, (module.__name__, outcome)

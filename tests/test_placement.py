@@ -194,7 +194,7 @@ def test_constructor_is_keyword_only():
 
 
 def test_strategy_builds_its_mesh_and_installs_its_hooks():
-    from tfdist.strategies import _keras_compat
+    from tfdist import _compat
 
     strategy = ModelParallelStrategy(mesh={"batch": 2, "model": 4}, rules=layouts.transformer())
     assert strategy.mesh_shape == {"batch": 2, "model": 4}
@@ -203,6 +203,6 @@ def test_strategy_builds_its_mesh_and_installs_its_hooks():
     assert strategy.num_replicas_in_sync == 1  # one global program: Keras must not rescale the loss
     assert strategy.rules == layouts.transformer()
     assert repr(strategy).startswith("ModelParallelStrategy(mesh={'batch': 2, 'model': 4}")
-    assert _keras_compat.model_parallel_installed()
+    assert _compat.installed("model_parallel")
     assert ModelParallelStrategy(mesh={"model": 8}).batch_axis is None  # every device sees the whole batch
     assert ModelParallelStrategy(mesh={"data": 2, "model": 4}, batch_axis="data").batch_axis == "data"

@@ -8,6 +8,7 @@ import resource
 import subprocess
 import sys
 
+import _procs
 import keras
 import numpy as np
 import pytest
@@ -15,21 +16,13 @@ import pytest
 import tfdist.callbacks
 from tfdist import models  # also registers the model's layers for load_model
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_TIMEOUT_S = 200
 ERROR_TIMEOUT_S = 60
 SEQ_LEN = 32
 
 
 def run_train(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tfdist.train", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": REPO},
-        cwd=REPO,
-    )
+    return _procs.run([sys.executable, "-m", "tfdist.train", *args], timeout=timeout)
 
 
 def summary_value(stdout: str, label: str) -> str:
@@ -117,14 +110,10 @@ def test_a_failed_checkpoint_write_ends_with_one_line_naming_the_file(tmp_path):
     def limit_file_size():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    result = subprocess.run(
+    result = _procs.run(
         [sys.executable, "-m", "tfdist.train", "--global_batch_size=8", f"--seq_len={SEQ_LEN}", "--d_model=32",
          "--num_heads=2", "--num_layers=1", "--steps=6", "--max_corpus_bytes=20000", f"--model_dir={model_dir}"],
-        capture_output=True,
-        text=True,
         timeout=TRAIN_TIMEOUT_S,
-        env={**os.environ, "PYTHONPATH": REPO},
-        cwd=REPO,
         preexec_fn=limit_file_size,
     )
     assert result.returncode == 2, result.stderr[-3000:]
@@ -187,14 +176,10 @@ def test_two_workers_under_the_launcher_train_in_step(tmp_path):
     model_dir = tmp_path / "model_dir"
     flags = ["--global_batch_size=8", f"--seq_len={SEQ_LEN}", "--d_model=32", "--num_heads=2", "--num_layers=1",
              "--steps=6", "--max_corpus_bytes=20000", f"--model_dir={model_dir}", "--strategy=multi_worker"]
-    result = subprocess.run(
+    result = _procs.run(
         [sys.executable, "-m", "tfdist.launch", "-n", "2", "--join_timeout=60", "--",
          sys.executable, "-m", "tfdist.train", *flags],
-        capture_output=True,
-        text=True,
         timeout=TRAIN_TIMEOUT_S,
-        env={**os.environ, "PYTHONPATH": REPO},
-        cwd=REPO,
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     per_worker = {

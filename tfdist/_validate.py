@@ -16,8 +16,45 @@ operating system convert durations to.
 """
 
 
-def _fail(name: str, value, expected: str, where: str) -> ValueError:
-    return ValueError(f"Invalid value for argument `{name}`{where}. Received: {name}={value!r}. Expected {expected}.")
+def invalid(name: str, value, expected: str, *, where: str = "", problem: str = "") -> ValueError:
+    """The error for argument `name` (of `where`, e.g. " of load_corpus()"): what was received, what is valid.
+
+    `problem` says what is wrong with `value` when its repr does not show it.
+
+    Example:
+
+    >>> invalid("devices", [], "a non-empty list of device names")
+    ValueError('Invalid value for argument `devices`. Received: devices=[]. Expected a non-empty list of device names.')
+    """
+    received = f"{name}={value!r}" + (f"; {problem}" if problem else "")
+    return ValueError(f"Invalid value for argument `{name}`{where}. Received: {received}. Expected {expected}.")
+
+
+def is_integer(value, *, minimum: int | None = None, maximum: int | None = None) -> bool:
+    """True if `value` is an int, not a bool, from `minimum` to `maximum` (each bound optional).
+
+    Example:
+
+    >>> is_integer(3, minimum=1), is_integer(True), is_integer(2.0), is_integer(70000, maximum=65535)
+    (True, False, False, False)
+    """
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and (minimum is None or minimum <= value)
+        and (maximum is None or value <= maximum)
+    )
+
+
+def is_number(value) -> bool:
+    """True if `value` is an int or a float, not a bool (NaN and infinity included: compare them to a range).
+
+    Example:
+
+    >>> is_number(0.5), is_number(1), is_number(False), is_number("1")
+    (True, True, False, False)
+    """
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def integer(
@@ -39,13 +76,12 @@ def integer(
     """
     if value is None and allow_none:
         return None
-    in_range = isinstance(value, int) and minimum <= value and (maximum is None or value <= maximum)
-    if isinstance(value, bool) or not in_range:
+    if not is_integer(value, minimum=minimum, maximum=maximum):
         if maximum is not None:
             expected = f"an integer from {minimum} to {maximum}"
         else:
             expected = f"an integer >= {minimum}" + (" (a positive integer)" if minimum == 1 else "")
-        raise _fail(name, value, expected + (" or None" if allow_none else ""), where)
+        raise invalid(name, value, expected + (" or None" if allow_none else ""), where=where)
     return value
 
 
@@ -75,10 +111,10 @@ def positive_number(
         maximum = MAX_SECONDS
     limit = sys.float_info.max if maximum is None else maximum
     # The comparison is False for NaN, infinity and ints too large for a float.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= limit:
+    if not is_number(value) or not 0 < value <= limit:
         expected = "a positive, finite number" + (f" of {unit}" if unit else "")
         expected += "" if maximum is None else f", at most {maximum:g}"
-        raise _fail(name, value, expected + (", or None" if allow_none else ""), "")
+        raise invalid(name, value, expected + (", or None" if allow_none else ""))
     return float(value)
 
 
@@ -99,5 +135,5 @@ def one_of(name: str, value, choices, *, where: str = ""):
     """
     choices = tuple(choices)
     if isinstance(value, bool) and not any(isinstance(c, bool) for c in choices) or value not in choices:
-        raise _fail(name, value, f"one of {choices}", where)
+        raise invalid(name, value, f"one of {choices}", where=where)
     return value

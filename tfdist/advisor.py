@@ -1,16 +1,20 @@
 """Should I distribute? `tfdist.advise` measures a model on the devices at hand and says how to train it.
 
-It times, side by side on the devices you have:
+This module measures (with TensorFlow); `tfdist.advice.recommend` decides from
+the `Measurements`, in pure Python (its docstring states the rules). It times,
+side by side on the devices you have:
 
 - one training step of the whole batch on one device (forward, backward, optimizer update),
 - the forward and backward pass of 1/N of the batch on each of the N devices at once: the compute
   speed-up these devices really give (on simulated CPU devices, which share the host's cores,
   it is far below N),
-- the all-reduce of the model's gradient bytes over the N devices (tfdist's own all-reduce),
+- the all-reduce of the model's gradient bytes over the N devices (tfdist's own all-reduce,
+  `tfdist.strategies.collectives.all_reduce_gradients`),
+- the per-step cost of a data-parallel `fit` that does not grow with the model,
 
-predicts the data-parallel step time (parallel compute + all-reduce + the optimizer updating N
-copies), estimates memory (parameters + optimizer slots + forward activations) against each
-device's memory, and recommends one of `RECOMMENDATIONS`, with a mesh shape.
+and sizes the parameters, optimizer slots, forward activations and each top-level layer's
+weights. The recommendation is one of `RECOMMENDATIONS` with the tfdist strategy and mesh (or
+pipeline stages) to use.
 
 The `tfdist-advise` binary (`python -m tfdist.advisor`) does this for a reference model.
 """
@@ -18,7 +22,6 @@ The `tfdist-advise` binary (`python -m tfdist.advisor`) does this for a referenc
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import re
@@ -27,107 +30,16 @@ import subprocess
 import sys
 import time
 
-RECOMMENDATIONS = ("one device", "data parallel", "model parallel", "hybrid")
-MEMORY_HEADROOM = 0.9  # plan to fill at most this share of a device's memory
+from tfdist.advice import MEMORY_HEADROOM
+from tfdist.advice import RECOMMENDATIONS
+from tfdist.advice import Advice
+from tfdist.advice import Measurements
+from tfdist.advice import recommend
+
+__all__ = ["MEMORY_HEADROOM", "RECOMMENDATIONS", "Advice", "advise", "run"]
+
 _ROUND_SECONDS = 0.1  # each timed round repeats a step until it lasts about this long
 _SKIPPED_OPS = frozenset({"ReadVariableOp", "Const", "Placeholder", "VarHandleOp", "NoOp", "Identity", "Shape"})
-
-
-@dataclasses.dataclass(frozen=True)
-class Advice:
-    """What `advise` measured and recommends. Times are seconds (medians over rounds), sizes bytes.
-
-    Attributes:
-        recommendation: one of `RECOMMENDATIONS`.
-        mesh: the device mesh to use: `{"batch": N}` for data parallel, `{"batch": b, "model": m}`
-            for model parallel (b = 1) and hybrid; None for one device.
-        devices: the devices measured.
-        batch_size: the global batch measured.
-        step_time: one training step of the whole batch on one device.
-        compute_time: its forward and backward pass alone.
-        parallel_compute_time: forward and backward of batch/N on each of the N devices at once.
-        gradient_bytes: bytes of the trainable weights' gradients.
-        all_reduce_time: all-reduce of those gradients over the N devices.
-        overhead_time: what a data-parallel training step adds that does not grow with the model
-            (input splitting and copying, the strategy's per-step work), measured with a model
-            that does almost nothing on the same batch (0 when x is not one array).
-        predicted_step_time: data-parallel step over the N devices, predicted.
-        predicted_speedup: `step_time / predicted_step_time`.
-        parameter_bytes: all weights.
-        optimizer_bytes: the optimizer's slots (e.g. Adam's two moments).
-        activation_bytes: forward intermediates of the whole batch (an estimate from the traced graph).
-        device_memory: memory of one device; None when unknown.
-        reasons: the sentences behind the recommendation.
-    """
-
-    recommendation: str
-    mesh: dict | None
-    devices: tuple
-    batch_size: int
-    step_time: float
-    compute_time: float
-    parallel_compute_time: float
-    gradient_bytes: int
-    all_reduce_time: float
-    overhead_time: float
-    predicted_step_time: float
-    predicted_speedup: float
-    parameter_bytes: int
-    optimizer_bytes: int
-    activation_bytes: int
-    device_memory: int | None
-    reasons: tuple
-
-    @property
-    def compute_speedup(self) -> float:
-        """How much faster N devices compute 1/N of the batch each than one device the whole batch."""
-        return self.compute_time / self.parallel_compute_time
-
-    @property
-    def memory_bytes(self) -> int:
-        """Parameters + optimizer slots + activations, all on one device."""
-        return self.parameter_bytes + self.optimizer_bytes + self.activation_bytes
-
-    def __str__(self) -> str:
-        n = len(self.devices)
-        update = max(0.0, self.step_time - self.compute_time)
-        memory = "unknown" if self.device_memory is None else _size(self.device_memory)
-        lines = [
-            f"tfdist.advise: batch {self.batch_size} on {n} device(s) {list(self.devices)}",
-            f"  one device:        step {_ms(self.step_time)} (forward+backward {_ms(self.compute_time)}, "
-            f"optimizer update {_ms(update)})",
-        ]
-        if n > 1:
-            updates = self.predicted_step_time - self.parallel_compute_time - self.all_reduce_time - self.overhead_time
-            lines += [
-                f"  {n} devices at once: forward+backward of {self.batch_size // n} examples each "
-                f"{_ms(self.parallel_compute_time)} (compute speed-up {self.compute_speedup:.2f}x of an ideal {n}x)",
-                f"  gradients:         {_size(self.gradient_bytes)} all-reduced over {n} devices in "
-                f"{_ms(self.all_reduce_time)}",
-                f"  data parallel:     predicted step {_ms(self.predicted_step_time)} = "
-                f"{_ms(self.parallel_compute_time)} compute + {_ms(self.all_reduce_time)} all-reduce + "
-                f"{_ms(max(0.0, updates))} updating {n} copies + {_ms(self.overhead_time)} per-step overhead "
-                f"-> speed-up {self.predicted_speedup:.2f}x",
-            ]
-        lines += [
-            f"  memory:            parameters {_size(self.parameter_bytes)} + optimizer {_size(self.optimizer_bytes)}"
-            f" + activations ~{_size(self.activation_bytes)} = {_size(self.memory_bytes)} on one device; "
-            f"{memory} per device",
-            f"Recommendation: {self.recommendation}" + (f", mesh {self.mesh}" if self.mesh else ""),
-            *(f"  - {r}" for r in self.reasons),
-        ]
-        return "\n".join(lines)
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms"
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{int(nbytes)} B"
 
 
 def _bytes(variables) -> int:
@@ -279,14 +191,6 @@ def _step_overhead(data, devices: list[str], rounds: int) -> float:
     return max(0.0, seconds[len(devices)] - seconds[1])
 
 
-def _mesh_for_memory(state: int, activations: int, n: int, usable: float) -> dict | None:
-    """The smallest model axis m (a divisor of n) whose mesh {batch: n/m, model: m} fits, or None."""
-    for m in (d for d in range(2, n + 1) if n % d == 0):
-        if state / m + activations / (n // m) <= usable:
-            return {"batch": n // m, "model": m}
-    return None
-
-
 def advise(
     model,
     batch,
@@ -305,12 +209,15 @@ def advise(
     of the gradient bytes, measured) + (optimizer update, measured on one
     device, for N copies at the measured concurrency).
 
-    Recommends, in this order: when the model with its whole batch fits one
-    device, "data parallel" if the predicted speed-up is at least
-    `min_speedup`, else "one device" (communication or shared compute would
-    eat the gain); when it does not fit one device, "data parallel" if its
-    share of the batch fits each device, else "hybrid" (a batch x model mesh
-    with the smallest model axis that fits) or "model parallel".
+    Recommends with `tfdist.advice.recommend`, in this order: when the model
+    with its whole batch fits one device, "data parallel" if the predicted
+    speed-up is at least `min_speedup`, else "one device" (communication or
+    shared compute would eat the gain); when it does not fit one device,
+    "data parallel" if its share of the batch fits each device; else the
+    model is split: into pipeline stages (`PipelineStrategy`) when it is a
+    deep stack of layers that balances into stages that fit, else over a
+    model axis (`ModelParallelStrategy`, the smallest that fits), "model
+    parallel" with one copy of the model or "hybrid" with several.
 
     Args:
         model: a compiled Keras model (its loss is used; its optimizer unless
@@ -329,7 +236,8 @@ def advise(
             device is recommended.
 
     Returns:
-        An `Advice`; `print(advice)` shows the numbers behind it.
+        An `Advice` (the `Measurements` and the `Recommendation`); `print(advice)`
+        shows the numbers behind it.
 
     Raises:
         ValueError: for a model that is not compiled, a malformed `batch`, a
@@ -349,6 +257,7 @@ def advise(
 
     from tfdist import _validate
     from tfdist import devices as devices_lib
+    from tfdist.strategies import collectives
     from tfdist.strategies.data_parallel import DataParallelStrategy
 
     if getattr(model, "loss", None) is None or not getattr(model, "compiled", False):
@@ -394,7 +303,9 @@ def advise(
     optimizer_bytes = _bytes(v for v in single.optimizer.variables if len(v.shape) > 0)
     activation_bytes = _activation_bytes(single, data[0])
 
-    parallel_time, all_reduce_time, overhead_time, predicted = compute_time, 0.0, 0.0, step_time
+    layer_bytes = tuple(_bytes(layer.weights) for layer in single.layers if layer.weights)
+
+    parallel_time, all_reduce_time, overhead_time = compute_time, 0.0, 0.0
     if n > 1:
         many = DataParallelStrategy(devices=devices)
         replicas = _clone(model, optimizer, many)
@@ -415,73 +326,13 @@ def advise(
 
         @tf.function
         def all_reduce(grads):
-            return many.run(lambda g: _ready(many.extended._tfdist_all_reduce_gradients(g)), args=(grads,))
+            return many.run(lambda g: _ready(collectives.all_reduce_gradients(many, g)), args=(grads,))
 
         parallel_time = _time(parallel_forward_backward, (shards,), rounds)
         all_reduce_time = _time(all_reduce, (zeros,), rounds)
-        speedup = compute_time / parallel_time
-        update_time = max(0.0, step_time - compute_time) * n / min(max(speedup, 1.0), n)
         overhead_time = _step_overhead(data, devices, rounds)
-        predicted = parallel_time + all_reduce_time + update_time + overhead_time
 
-    if device_memory is None:
-        device_memory = _device_memory(devices)
-    predicted_speedup = step_time / predicted
-    state = parameter_bytes + optimizer_bytes
-    reasons = []
-    if device_memory is None:
-        usable = math.inf
-        reasons.append("device memory unknown: assumed to fit (pass device_memory= to check)")
-    else:
-        usable = MEMORY_HEADROOM * device_memory
-    mesh = None
-    if state + activation_bytes <= usable:
-        gain = f"predicted data-parallel speed-up {predicted_speedup:.2f}x on {n} devices"
-        if n > 1 and predicted_speedup >= min_speedup:
-            recommendation, mesh = "data parallel", {"batch": n}
-            reasons.append(f"{gain} (>= {min_speedup:g}x)")
-        else:
-            recommendation = "one device"
-            if n == 1:
-                reasons.append("only one device at hand, and the model fits it")
-            else:
-                reasons.append(f"{gain} (< {min_speedup:g}x): not worth distributing")
-                if all_reduce_time >= parallel_time:
-                    reasons.append(
-                        f"communication would dominate: the all-reduce ({_ms(all_reduce_time)}) takes as long "
-                        f"as the parallel compute ({_ms(parallel_time)})"
-                    )
-                if compute_time / parallel_time < 0.5 * n:
-                    reasons.append(
-                        f"these devices compute only {compute_time / parallel_time:.2f}x faster together than one "
-                        f"alone (ideal {n}x){': simulated devices share the host cores' if 'CPU' in devices[0] else ''}"
-                    )
-        reasons.append(f"the model and its whole batch fit one device ({_size(state + activation_bytes)})")
-    elif n > 1 and state + activation_bytes / n <= usable:
-        recommendation, mesh = "data parallel", {"batch": n}
-        reasons.append(
-            f"the whole batch does not fit one device ({_size(state + activation_bytes)} > {_size(usable)} usable), "
-            f"1/{n} of it does: data parallel to fit (predicted speed-up {predicted_speedup:.2f}x)"
-        )
-    else:
-        mesh = _mesh_for_memory(state, activation_bytes, n, usable)
-        if mesh is None:
-            need = 2 ** math.ceil(math.log2(max(2, (state + activation_bytes) / usable)))
-            mesh = {"batch": 1, "model": max(n, need)}
-            reasons.append(
-                f"does not fit even split over {n} device(s) ({_size(state / n + activation_bytes)} each > "
-                f"{_size(usable)} usable): about {need} devices, or a smaller batch, are needed"
-            )
-        else:
-            reasons.append(
-                f"weights and optimizer ({_size(state)}) do not fit next to the activations on one device "
-                f"({_size(usable)} usable); split over a model axis of {mesh['model']} they do"
-            )
-        recommendation = "model parallel" if mesh["batch"] == 1 else "hybrid"
-        reasons.append(f"use tfdist.ModelParallelStrategy(mesh={mesh}, rules=...)")
-    return Advice(
-        recommendation=recommendation,
-        mesh=mesh,
+    measurements = Measurements(
         devices=tuple(devices),
         batch_size=batch_size,
         step_time=step_time,
@@ -490,14 +341,13 @@ def advise(
         gradient_bytes=gradient_bytes,
         all_reduce_time=all_reduce_time,
         overhead_time=overhead_time,
-        predicted_step_time=predicted,
-        predicted_speedup=predicted_speedup,
         parameter_bytes=parameter_bytes,
         optimizer_bytes=optimizer_bytes,
         activation_bytes=activation_bytes,
-        device_memory=device_memory,
-        reasons=tuple(reasons),
+        device_memory=_device_memory(devices) if device_memory is None else device_memory,
+        layer_bytes=layer_bytes,
     )
+    return Advice.of(measurements, recommend(measurements, min_speedup=min_speedup))
 
 
 OPTIMIZERS = ("adadelta", "adafactor", "adagrad", "adam", "adamax", "adamw", "ftrl", "lion", "nadam", "rmsprop", "sgd")
@@ -569,7 +419,8 @@ def run(argv: list[str] | None = None) -> int:
     parser = _Parser(
         prog="tfdist-advise",
         description="Should I distribute? Measures a reference model on the devices at hand and recommends "
-        "one device, data parallel, model parallel or hybrid, with the numbers behind it.",
+        "one device, data parallel, model parallel or hybrid (over a mesh or in pipeline stages), with the "
+        "numbers behind it.",
     )
     positive = _integer(1)
     parser.add_argument("--model", choices=("mlp", "lm"), default="mlp", help="mlp: Dense layers; lm: transformer_lm")

@@ -106,7 +106,7 @@ class Cluster:
         size = 1 if self.task_type == "chief" else len(self.workers)
         if self.task_type == "chief" and self.chief is None:
             raise ClusterError("task type 'chief' needs a `chief` address, but the cluster has none.")
-        if isinstance(self.task_index, bool) or not isinstance(self.task_index, int):
+        if not _validate.is_integer(self.task_index):
             raise ClusterError(
                 f"Invalid task index {self.task_index!r}. Expected an integer from 0 to {size - 1}."
             )
@@ -329,7 +329,7 @@ def from_slurm(env: Mapping[str, str], port: int = DEFAULT_SLURM_PORT) -> Cluste
             nodes than tasks (refused before the node list is expanded), or
             tasks not dividing evenly over the nodes.
     """
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+    if not _validate.is_integer(port, minimum=1, maximum=65535):
         raise ClusterError(f"Invalid Slurm base port {port!r}. Expected an integer from 1 to 65535.")
     name = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
     nodelist = env.get(name)

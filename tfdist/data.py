@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tfdist import _validate
+
 if TYPE_CHECKING:
     import tensorflow as tf
 
@@ -141,11 +143,7 @@ def load_corpus(path: str | os.PathLike | None = None, *, max_bytes: int = DEFAU
     >>> len(load_corpus(max_bytes=1000))
     1000
     """
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-        raise ValueError(
-            f"Invalid value for argument `max_bytes` of load_corpus(). Received: max_bytes={max_bytes!r}. "
-            "Expected a positive integer."
-        )
+    _validate.integer("max_bytes", max_bytes, where=" of load_corpus()")
     if path is None:
         files = stdlib_corpus_files()
         source = "the Python standard library"
@@ -196,7 +194,7 @@ def load_corpus(path: str | os.PathLike | None = None, *, max_bytes: int = DEFAU
 
 
 def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _validate.is_integer(value, minimum=1):
         raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}.")
 
 
@@ -281,8 +279,7 @@ def lm_datasets(
 
     _check_positive_int("seq_len", seq_len)
     _check_positive_int("global_batch_size", global_batch_size)
-    is_number = isinstance(heldout_fraction, (int, float)) and not isinstance(heldout_fraction, bool)
-    if not is_number or not 0 < heldout_fraction < 1:
+    if not _validate.is_number(heldout_fraction) or not 0 < heldout_fraction < 1:
         raise ValueError(
             f"heldout_fraction must be a number in (0, 1). Received: heldout_fraction={heldout_fraction!r}."
         )

@@ -6,6 +6,14 @@ the host CPU into several logical devices therefore has to happen before that;
 `simulate_devices` does it and says clearly when it is too late. Importing this
 module does not import TensorFlow (binaries check their flags against
 `MAX_SIMULATED_DEVICES` first).
+
+Example (first, before anything starts TensorFlow's runtime):
+
+>>> import tfdist
+>>> len(tfdist.simulate_devices(4))
+4
+>>> len(tfdist.devices.default_devices()) >= 1  # all GPUs if there are any, else the 4 CPUs
+True
 """
 
 from __future__ import annotations
@@ -136,9 +144,8 @@ def device_list(devices) -> list[str]:
     if devices is None:
         return default_devices()
     if isinstance(devices, str) or not list(devices):
-        raise ValueError(
-            f"Invalid value for argument `devices`. Received: devices={devices!r}. "
-            "Expected a non-empty list of device names such as ['CPU:0', 'CPU:1'], or None."
+        raise _validate.invalid(
+            "devices", devices, "a non-empty list of device names such as ['CPU:0', 'CPU:1'], or None"
         )
     devices = [canonical_device(d) for d in devices]
     repeated = sorted({d for d in devices if devices.count(d) > 1})

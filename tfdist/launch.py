@@ -108,15 +108,10 @@ def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _invalid(name: str, value, expected: str, problem: str = "") -> ValueError:
-    received = f"{name}={value!r}" + (f"; {problem}" if problem else "")
-    return ValueError(f"Invalid value for argument `{name}`. Received: {received}. Expected {expected}.")
-
-
 def _check_command(command) -> list[str]:
     """Returns `command` as a list if its program is an executable file (a path, or a name on PATH)."""
     if isinstance(command, str) or not command or not all(isinstance(a, str) for a in command):
-        raise _invalid("command", command, "a non-empty list of strings such as ['python', 'train.py']")
+        raise _validate.invalid("command", command, "a non-empty list of strings such as ['python', 'train.py']")
     program = command[0]
     path = program if os.sep in program else shutil.which(program)
     if path is None:
@@ -131,7 +126,8 @@ def _check_command(command) -> list[str]:
         problem = f"{program!r} is not executable (chmod +x it, or run it with its interpreter)"
     else:
         return list(command)
-    raise _invalid("command", list(command), "its first item to be an executable file or a program on PATH", problem)
+    expected = "its first item to be an executable file or a program on PATH"
+    raise _validate.invalid("command", list(command), expected, problem=problem)
 
 
 def _die_with(launcher_pid: int):

@@ -207,11 +207,8 @@ def transformer_lm(
             f"`num_heads` must divide `d_model` in transformer_lm(). Received: d_model={d_model}, "
             f"num_heads={num_heads}. Choose num_heads among the divisors of d_model."
         )
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        raise ValueError(
-            f"Invalid value for argument `dropout` of transformer_lm(). Received: dropout={dropout!r}. "
-            "Expected a number in [0, 1)."
-        )
+    if not _validate.is_number(dropout) or not 0 <= dropout < 1:
+        raise _validate.invalid("dropout", dropout, "a number in [0, 1)", where=" of transformer_lm()")
 
     init = keras.initializers.RandomNormal(stddev=_INIT_STDDEV)
     tokens = keras.Input(shape=(seq_len,), dtype="int32", name="tokens")

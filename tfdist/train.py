@@ -153,7 +153,7 @@ def main(argv: list[str]) -> int:
 
         from tfdist import callbacks as tfdist_callbacks
         from tfdist import models
-        from tfdist.callbacks import _state as checkpoint_files
+        from tfdist.callbacks import _files as checkpoint_files
 
         # On a machine without a CUDA driver the first GPU listing logs a cuInit error (TensorFlow
         # lists them when imported under app.run, and so do the strategies): list them here, quietly.

@@ -1,7 +1,10 @@
 """Keras callbacks for distributed training: checkpoints, exact resume, sync checks, throughput.
 
 Every callback here works under `tfdist.DataParallelStrategy`,
-`tfdist.MultiWorkerStrategy` and `tfdist.ModelParallelStrategy`. Callbacks that
+`tfdist.MultiWorkerStrategy`, `tfdist.ModelParallelStrategy`,
+`tfdist.PipelineStrategy` and any other `tf.distribute` strategy: they learn
+this process' worker index, the number of workers and the data-parallel size
+from `tfdist.strategies.topology.of(strategy)` only. Callbacks that
 communicate between workers (`SyncCheck`, `MetricAverage`, and
 `BackupAndRestore` under a multi-worker strategy) run their collectives on
 every worker at the same point; give every worker the same callback list, in

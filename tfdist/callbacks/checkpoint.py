@@ -1,4 +1,11 @@
-"""Checkpoints that survive crashes and multi-worker training: `Checkpoint`, `BackupAndRestore`."""
+"""Checkpoints that survive crashes and multi-worker training: `Checkpoint`, `BackupAndRestore`.
+
+Their parts, one module each: `_files` (the checkpoint file format: write,
+read, validate, list, clean up temporaries), `_state` (the model's variables
+out and back in), `_resume` (which backup every worker holds, the data
+position, the batches to skip, the metric state), `_preemption` (SIGTERM and
+the workers' agreement on it) and `_workers` (the one all-gather they use).
+"""
 
 from __future__ import annotations
 
@@ -6,20 +13,20 @@ import contextlib
 import math
 import os
 import shutil
-import signal
-import sys
-import threading
-import warnings
 
 import keras
 import numpy as np
 
+from tfdist import _compat
 from tfdist import _validate
+from tfdist.callbacks import _files
+from tfdist.callbacks import _preemption
+from tfdist.callbacks import _resume
 from tfdist.callbacks import _state
-from tfdist.callbacks._state import CheckpointCorruptWarning
+from tfdist.callbacks._files import CheckpointCorruptWarning
+from tfdist.callbacks._files import CheckpointWriteError
 from tfdist.callbacks._state import CheckpointMismatchError
-from tfdist.callbacks._state import CheckpointWriteError
-from tfdist.strategies import _keras_compat
+from tfdist.strategies import topology
 
 __all__ = [
     "BackupAndRestore",
@@ -46,10 +53,6 @@ def _step(model) -> int:
     return int(np.asarray(model.optimizer.iterations.numpy()))
 
 
-def _strategy(model):
-    return model.distribute_strategy
-
-
 def latest_checkpoint(directory, *, prefix: str = "ckpt") -> str | None:
     """The newest complete checkpoint file in `directory`, or None.
 
@@ -74,7 +77,7 @@ def latest_checkpoint(directory, *, prefix: str = "ckpt") -> str | None:
     >>> tfdist.callbacks.latest_checkpoint(tempfile.mkdtemp()) is None
     True
     """
-    found = _state.newest_valid(os.fspath(directory), prefix)
+    found = _files.newest_valid(os.fspath(directory), prefix)
     return None if found is None else found[1]
 
 
@@ -104,7 +107,7 @@ def restore_checkpoint(model, path) -> dict:
         if found is None:
             raise FileNotFoundError(f"No complete checkpoint in directory {path!r}.")
         path = found
-    meta, arrays = _state.read_file(path)
+    meta, arrays = _files.read_file(path)
     include_optimizer = bool(meta.get("include_optimizer", True))
     _state.restore_state(model, meta, arrays, source=path, include_optimizer=include_optimizer)
     return meta
@@ -183,7 +186,7 @@ class Checkpoint(keras.callbacks.Callback):
             )
         if not isinstance(prefix, str) or not prefix or os.sep in prefix:
             raise ValueError(f"Invalid value for argument `prefix`. Received: prefix={prefix!r}. Expected a file name.")
-        self.directory = _state.check_writable_dir("directory", directory)
+        self.directory = _files.check_writable_dir("directory", directory)
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
         self.keep = keep
@@ -195,7 +198,7 @@ class Checkpoint(keras.callbacks.Callback):
         self.prefix = prefix
         self._best: tuple[float, int] | None = None
         self._last_saved_step = self._step_at_last_save = -1
-        self._rank = 0
+        self._rank = 0  # this worker's index (the chief writes the files)
         self.last_saved: str | None = None
 
     def _better(self, value: float) -> bool:
@@ -204,15 +207,15 @@ class Checkpoint(keras.callbacks.Callback):
         return value < self._best[0] if self.mode == "min" else value > self._best[0]
 
     def on_train_begin(self, logs=None):
-        self._rank, _ = _state.worker_of(_strategy(self.model))
+        self._rank = topology.of(self.model.distribute_strategy).worker_index
         self._step_at_last_save = _step(self.model)
         self._best = None
         if self._rank == 0:
-            _state.remove_stale_temps(self.directory)
+            _files.remove_stale_temps(self.directory)
         if self._rank == 0 and self.monitor:
-            for step, path in _state.list_checkpoints(self.directory, self.prefix):
+            for step, path in _files.list_checkpoints(self.directory, self.prefix):
                 with contextlib.suppress(ValueError):  # a damaged file: latest_checkpoint warns about it
-                    value = _state.read_meta(path).get("monitor_value")
+                    value = _files.read_meta(path).get("monitor_value")
                     if value is not None and self._better(value):
                         self._best = (value, step)
 
@@ -247,7 +250,7 @@ class Checkpoint(keras.callbacks.Callback):
             "monitor_value": value,
             "include_optimizer": self.include_optimizer,
         }
-        path = _state.save(self.directory, self.prefix, step, paths, arrays, meta, rank=self._rank)
+        path = _files.save(self.directory, self.prefix, step, paths, arrays, meta, rank=self._rank)
         self._last_saved_step = self._step_at_last_save = step
         if path is None:
             return
@@ -257,7 +260,7 @@ class Checkpoint(keras.callbacks.Callback):
         self._prune()
 
     def _prune(self):
-        files = _state.list_checkpoints(self.directory, self.prefix)
+        files = _files.list_checkpoints(self.directory, self.prefix)
         keep = {step for step, _ in files[-self.keep :]}
         if self._best is not None:
             keep.add(self._best[1])
@@ -271,7 +274,7 @@ class Checkpoint(keras.callbacks.Callback):
         """Path of the checkpoint with the best `monitor` value so far (None without `monitor`)."""
         if self._best is None:
             return None
-        return os.path.join(self.directory, _state.checkpoint_name(self.prefix, self._best[1]))
+        return os.path.join(self.directory, _files.checkpoint_name(self.prefix, self._best[1]))
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -315,8 +318,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     Args:
         backup_dir: directory for the backups (one subdirectory per worker).
         save_freq: "epoch", or an integer N: back up every N optimizer steps.
-        double_checkpoint: accepted for Keras compatibility; two backups are
-            always kept.
+        double_checkpoint: accepted for compatibility with
+            `keras.callbacks.BackupAndRestore` and ignored: the last two
+            backups are always kept (what Keras keeps with True), so a damaged
+            newest one falls back to the one before.
         delete_checkpoint: delete this worker's backups when training ends
             normally.
         save_on_preemption: save and exit 0 on SIGTERM (handler installed
@@ -339,6 +344,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     >>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2, epochs=2, verbose=0, callbacks=[backup])
     """
 
+
     _PREFIX = "backup"
     _REQUIRED = ("epoch", "batch", "logs")  # metadata keys a backup must hold
 
@@ -346,7 +352,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self,
         backup_dir,
         save_freq="epoch",
-        double_checkpoint=False,
+        double_checkpoint=False,  # Keras' signature: accepted, ignored (see Args)
         delete_checkpoint=True,
         *,
         save_on_preemption: bool = True,
@@ -369,21 +375,19 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "Invalid value for argument `preemption_check_steps`. Received: "
                 f"preemption_check_steps={preemption_check_steps!r}. Expected a positive integer."
             )
-        self.preemption_check_steps = preemption_check_steps
-        _keras_compat.install_callbacks()
-        self.backup_dir = _state.check_writable_dir("backup_dir", backup_dir)
+        _compat.install("callbacks")
+        self.backup_dir = _files.check_writable_dir("backup_dir", backup_dir)
         self.save_freq = save_freq
-        self.double_checkpoint = double_checkpoint
         self.delete_checkpoint = delete_checkpoint
         self.save_on_preemption = save_on_preemption
-        self._preempted = False
-        self._previous_handler = None
-        self._epoch = 0
-        self._batches_in_epoch = 0
-        self._ignore_batch_ends = 0
+        self.preemption_check_steps = preemption_check_steps
         self.restored_step: int | None = None
+        # Set at the start of each fit:
+        self._dir = None  # this worker's backups: backup_dir/worker-<rank>
+        self._position: _resume.Position | None = None
+        self._preemption: _preemption.Preemption | None = None
 
-    # ------------------------------------------------------------------ restore
+    # ------------------------------------------------------------------ start of fit: restore
     def on_train_begin(self, logs=None):
         model = self.model
         if not model.built:
@@ -391,193 +395,69 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "To use the BackupAndRestore callback, your model must be built before you call `fit()`. "
                 f"Model {model} is unbuilt."
             )
-        strategy = _strategy(model)
-        self._rank, self._num_workers = _state.worker_of(strategy)
-        self._dir = os.path.join(self.backup_dir, f"worker-{self._rank}")
-        self._preempted = False
-        self._epoch, self._batches_in_epoch, self._ignore_batch_ends = 0, 0, 0
+        strategy = model.distribute_strategy
+        where = topology.of(strategy)
+        self._dir = os.path.join(self.backup_dir, f"worker-{where.worker_index}")
+        self._preemption = _preemption.Preemption(
+            strategy, enabled=self.save_on_preemption, check_steps=self.preemption_check_steps
+        )
         self.restored_step = None
-        _state.remove_stale_temps(self._dir)
-        found = _state.newest_valid(self._dir, self._PREFIX, required=self._REQUIRED)
-        if self._num_workers > 1:
-            mine = -1 if found is None else found[0]
-            agreed = int(_state.all_gather_rows(strategy, [mine]).min())
-            if agreed != mine:
-                found = (
-                    None
-                    if agreed < 0
-                    else _state.newest_valid(self._dir, self._PREFIX, max_step=agreed, required=self._REQUIRED)
-                )
-                if agreed >= 0 and (found is None or found[0] != agreed):
-                    raise RuntimeError(
-                        f"BackupAndRestore: worker {self._rank} has no intact backup of step {agreed}, the newest "
-                        f"step every worker holds (see {self._dir!r}). Delete {self.backup_dir!r} to start over."
-                    )
-        self._epoch_iterator = _keras_compat.latest_epoch_iterator()
-        self._metric_state = None
-        self._ordinal, self._drawn, self._extra, self._noop_calls, self._saved_logs = 0, 0, 0, 0, {}
+        _files.remove_stale_temps(self._dir)
+        found = _resume.agreed_backup(
+            strategy, where, self._dir, self._PREFIX, required=self._REQUIRED, hint=self.backup_dir
+        )
+        self._position = _resume.Position(model)
         if found is not None:
             step, path, meta, arrays = found
             _state.restore_state(model, meta, arrays, source=path)
-            # The skipped batches never run a train step, which is where Keras builds the compiled
-            # metrics without a strategy: build them now, so their state is restored and read back.
-            _keras_compat.build_compiled_state(model, self._epoch_iterator)
+            self._position.resume(meta)
             self.restored_step = step
-            self._epoch, self._batches_in_epoch = meta["epoch"], meta["batch"]
-            _keras_compat.set_initial_epoch(model, self._epoch)
-            self._plan_data_position(meta)
-            if self._batches_in_epoch:
-                self._metric_state = meta.get("metrics")
-        self._wrap_train_function()
-        self._install_signal_handler()
+        self._position.wrap_train_function()
+        self._preemption.start()
 
-    def _plan_data_position(self, meta):
-        """Recreates the data position of the backup: which iterator of the dataset, how far into it.
-
-        Keras makes a new iterator of the dataset per epoch (plus one at each
-        epoch end), or one for the whole fit (a repeated dataset with
-        `steps_per_epoch`); a reshuffling tf.data pipeline draws a new order
-        for each. The backup records the ordinal of the iterator in use, the
-        batches drawn from it and how many iterators existed; here as many
-        unused iterators are made as came before that one, and the wrapped
-        train function draws the trained batches again without training.
-        """
-        per_call = max(1, int(self.model.steps_per_execution))
-        batch = meta["batch"]
-        position = meta.get("iterator")
-        self._noop_calls = batch // per_call
-        self._saved_logs = dict(meta["logs"])
-        if self._epoch_iterator is None or position is None:
-            return
-        if batch == 0 and position["created"] > position["ordinal"]:  # the next epoch gets a new iterator
-            target, self._extra = position["created"] + 1, 0
-        else:  # the epoch continues with the backup's iterator
-            target, self._extra = position["ordinal"], position["drawn"] - batch
-        unused = target - 1 - _keras_compat.iterators_created(self._epoch_iterator)
-        if unused < 0:
-            warnings.warn(
-                f"BackupAndRestore: fit made {-unused} more iterators of the dataset than the run that wrote the "
-                "backup; a dataset that reshuffles each iteration will give the resumed epoch another order.",
-                stacklevel=3,
-            )
-        _keras_compat.make_unused_iterators(self._epoch_iterator, max(0, unused))
-
-    def _wrap_train_function(self):
-        """Counts the batches drawn from the current iterator; skips the ones a resumed run trained on."""
-        model = self.model
-        original = getattr(model.train_function, "_tfdist_original", model.train_function)
-        per_call = max(1, int(model.steps_per_execution))
-
-        def draw(iterator, count):
-            for _ in range(count):
-                next(iterator)
-            self._drawn += count
-
-        def train_function(iterator):
-            created = _keras_compat.iterators_created(self._epoch_iterator)
-            if created != self._ordinal:  # Keras started a new iterator of the dataset
-                self._ordinal, self._drawn = created, 0
-            if self._extra:
-                draw(iterator, self._extra)
-                self._extra = 0
-            if self._noop_calls:
-                self._noop_calls -= 1
-                self._ignore_batch_ends += 1
-                draw(iterator, per_call)
-                return self._saved_logs
-            logs = original(iterator)
-            self._drawn += per_call
-            return logs
-
-        train_function._tfdist_original = original
-        model.train_function = train_function
-
-    # ------------------------------------------------------------------ save
+    # ------------------------------------------------------------------ during fit: back up, watch for SIGTERM
     def on_epoch_begin(self, epoch, logs=None):
-        if epoch != self._epoch:
-            self._batches_in_epoch = 0
-        self._epoch = epoch
-        if self._metric_state is not None:  # Keras reset the metrics just before; the epoch continues
-            _state.set_metric_state(self.model, self._metric_state)
-            self._metric_state = None
+        self._position.epoch_begin(epoch)
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._ignore_batch_ends:  # the end of a skipped (already trained) batch
-            self._ignore_batch_ends -= 1
+        if not self._position.batch_end(batch):  # the end of a skipped (already trained) batch
             return
-        self._batches_in_epoch = batch + 1
-        if self._check_preempted():
+        step = _step(self.model)
+        if self._preemption.check(step):
             self._save(logs)
             self._exit()
-        if self.save_freq != "epoch" and _step(self.model) % self.save_freq == 0:
+        if self.save_freq != "epoch" and step % self.save_freq == 0:
             self._save(logs)
 
     def on_epoch_end(self, epoch, logs=None):
-        self._epoch, self._batches_in_epoch = epoch + 1, 0
-        if self._check_preempted(epoch_end=True) or self.save_freq == "epoch":
+        self._position.epoch_end(epoch)
+        if self._preemption.check(_step(self.model), epoch_end=True) or self.save_freq == "epoch":
             self._save(logs)
-        if self._preempted:
+        if self._preemption.requested:
             self._exit()
 
+    # ------------------------------------------------------------------ end of fit
     def on_train_end(self, logs=None):
-        self.model.train_function = getattr(self.model.train_function, "_tfdist_original", self.model.train_function)
-        self._restore_signal_handler()
-        _keras_compat.set_initial_epoch(self.model, None)
+        self._position.unwrap()
+        self._preemption.stop()
         if self.delete_checkpoint:
             shutil.rmtree(self._dir, ignore_errors=True)
             with contextlib.suppress(OSError):
                 os.rmdir(self.backup_dir)
 
+    # ------------------------------------------------------------------ backups
     def _save(self, logs):
+        """Writes this worker's backup of the current step (the last two are kept)."""
         step = _step(self.model)
         paths, arrays = _state.collect_state(self.model)
-        meta = {
-            "step": step,
-            "epoch": self._epoch,
-            "batch": self._batches_in_epoch,
-            "logs": _floats(logs),
-            "metrics": _state.metric_state(self.model) if self._batches_in_epoch else None,
-        }
-        if self._epoch_iterator is not None:
-            meta["iterator"] = {
-                "ordinal": self._ordinal,
-                "drawn": self._drawn,
-                "created": _keras_compat.iterators_created(self._epoch_iterator),
-            }
-        _state.write_file(os.path.join(self._dir, _state.checkpoint_name(self._PREFIX, step)), paths, arrays, meta)
-        for _, old in _state.list_checkpoints(self._dir, self._PREFIX)[:-2]:
+        meta = {"step": step, "logs": _floats(logs), **self._position.meta()}
+        _files.write_file(os.path.join(self._dir, _files.checkpoint_name(self._PREFIX, step)), paths, arrays, meta)
+        for _, old in _files.list_checkpoints(self._dir, self._PREFIX)[:-2]:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(old)
 
-    # ------------------------------------------------------------------ preemption
-    def _install_signal_handler(self):
-        if not self.save_on_preemption or threading.current_thread() is not threading.main_thread():
-            return
-
-        def handler(signum, frame):
-            self._preempted = True
-
-        self._previous_handler = signal.signal(signal.SIGTERM, handler)
-
-    def _restore_signal_handler(self):
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
-
-    def _check_preempted(self, *, epoch_end: bool = False) -> bool:
-        if not self.save_on_preemption:
-            return False
-        due = epoch_end or _step(self.model) % self.preemption_check_steps == 0
-        if self._num_workers > 1 and due:  # every worker learns of any worker's SIGTERM at the same step
-            self._preempted = bool(_state.all_gather_rows(_strategy(self.model), [float(self._preempted)]).max())
-        return self._preempted
-
     def _exit(self):
-        self._restore_signal_handler()
-        print(
-            f"tfdist BackupAndRestore: SIGTERM received; saved step {_step(self.model)} "
-            f"(epoch {self._epoch}, batch {self._batches_in_epoch}) to {self._dir}; exiting with status 0.",
-            file=sys.stderr,
-            flush=True,
+        position = self._position
+        self._preemption.exit(
+            f"step {_step(self.model)} (epoch {position.epoch}, batch {position.batches_in_epoch}) to {self._dir}"
         )
-        raise SystemExit(0)

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 
 from tfdist import _validate
-from tfdist.callbacks import _state
+from tfdist.strategies import topology
 
 __all__ = ["LearningRateWarmup", "WarmupSchedule"]
 
@@ -141,6 +141,9 @@ class LearningRateWarmup(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         optimizer = self.model.optimizer
-        scale = _state.data_parallel_size(self.model.distribute_strategy) if self.scale == "replicas" else self.scale
+        if self.scale == "replicas":
+            scale = topology.of(self.model.distribute_strategy).data_parallel_size
+        else:
+            scale = self.scale
         factor = _warmup_factor(optimizer.iterations, self.warmup_steps, float(scale), self.initial_scale)
         optimizer.learning_rate = self.base_learning_rate * float(factor)

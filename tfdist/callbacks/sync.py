@@ -10,6 +10,8 @@ import numpy as np
 
 from tfdist import _validate
 from tfdist.callbacks import _state
+from tfdist.callbacks import _workers
+from tfdist.strategies import topology
 
 __all__ = ["MetricAverage", "SyncCheck", "SyncError"]
 
@@ -100,7 +102,7 @@ class SyncCheck(keras.callbacks.Callback):
         if self.model.optimizer is not None:
             variables += list(self.model.optimizer.variables)
         paths = _state.state_paths(variables)
-        rank, _ = _state.worker_of(strategy)
+        rank = topology.of(strategy).worker_index
         hashes, local_problems = [], []
         for path, variable in zip(paths, variables):
             groups = _components(strategy, variable)
@@ -121,7 +123,7 @@ class SyncCheck(keras.callbacks.Callback):
             hashes.append(problem)
         loss = (logs or {}).get("loss")
         bad_loss = self.check_finite and loss is not None and not np.isfinite(np.asarray(loss)).all()
-        rows = _state.all_gather_rows(strategy, [*hashes, float(bad_loss)])
+        rows = _workers.all_gather_rows(strategy, [*hashes, float(bad_loss)])
         self.checks += 1
         problems = []
         where = f"at step {step}" if step is not None else "now"
@@ -177,7 +179,7 @@ class MetricAverage(keras.callbacks.Callback):
         if logs is None:
             return
         strategy = self.model.distribute_strategy
-        if _state.worker_of(strategy)[1] == 1:
+        if topology.of(strategy).num_workers == 1:
             return
         keys, values = [], []
         for key in sorted(logs):
@@ -188,7 +190,7 @@ class MetricAverage(keras.callbacks.Callback):
             keys.append(key)
             values.append(value)
         signature = zlib.crc32("\0".join(keys).encode()) & 0xFFFFFF
-        shape = _state.all_gather_rows(strategy, [len(keys), signature])
+        shape = _workers.all_gather_rows(strategy, [len(keys), signature])
         if (shape != shape[0]).any():
             raise ValueError(
                 f"MetricAverage: the workers' logs have different keys (this worker's: {keys}); every worker must "
@@ -196,7 +198,7 @@ class MetricAverage(keras.callbacks.Callback):
             )
         if not keys:
             return
-        means = _state.all_gather_rows(strategy, values).mean(axis=0)
+        means = _workers.all_gather_rows(strategy, values).mean(axis=0)
         for key, mean in zip(keys, means):
             logs[key] = float(mean)
 

@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import _validate
-from tfdist.callbacks import _state
+from tfdist.strategies import topology
 
 __all__ = ["Throughput"]
 
@@ -90,10 +90,11 @@ class Throughput(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         strategy = self.model.distribute_strategy
-        self._replicas = self.replicas or _state.data_parallel_size(strategy)
+        where = topology.of(strategy)
+        self._replicas = self.replicas or where.data_parallel_size
         self._steps_seen = 0
         self._writer = None
-        if self.log_dir and _state.worker_of(strategy)[0] == 0:
+        if self.log_dir and where.is_chief:
             self._writer = tf.summary.create_file_writer(self.log_dir)
 
     def on_epoch_begin(self, epoch, logs=None):

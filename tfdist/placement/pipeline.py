@@ -192,34 +192,66 @@ def _bytes(layer) -> int:
 # --------------------------------------------------------------------------------------------
 # Explicit placement.
 # --------------------------------------------------------------------------------------------
-def compile_placement(placement: Mapping[str, int], stages: int) -> list[tuple[str, re.Pattern, int]]:
-    """Validates explicit placement rules; returns `(pattern, compiled, stage)` triples.
+class StageRules:
+    """Explicit placement rules, validated and compiled once: a regex fully matching a top-level
+    layer name -> its stage. Both the plan (`plan_explicit`) and a strategy placing variables as
+    they are created (`stage_of_path`) match layer names with `stages_of`.
+
+    Args:
+        placement: a non-empty dict mapping a layer-name regex to a stage.
+        stages: the number of stages.
 
     Raises:
         ValueError: not a non-empty dict, a rule that is not a regex, a stage outside [0, stages).
+
+    Example:
+
+    >>> rules = StageRules({"d[0-1]": 0, "d[2-5]": 1}, stages=2)
+    >>> rules.stages_of("d3"), rules.stage_of_path("mlp/d1/kernel")
+    ([1], 0)
     """
-    stages = _validate.integer("stages", stages)
-    if not isinstance(placement, Mapping) or not placement:
-        raise ValueError(
-            f"Invalid value for argument `placement`. Received: placement={placement!r}. Expected 'auto' "
-            "or a non-empty dict mapping a layer-name regex to a stage, e.g. {'dense_[0-2]': 0, 'dense_[3-5]': 1}."
-        )
-    rules = []
-    for pattern, stage in placement.items():
-        try:
-            compiled = re.compile(pattern)
-        except (re.error, TypeError) as e:
-            raise ValueError(f"Placement rule {pattern!r} is not a valid regular expression: {e}.") from e
-        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < stages:
+
+    def __init__(self, placement: Mapping[str, int], stages: int):
+        stages = _validate.integer("stages", stages)
+        if not isinstance(placement, Mapping) or not placement:
             raise ValueError(
-                f"Placement rule {pattern!r} -> {stage!r}: the stage must be an integer in [0, {stages}) "
-                f"for stages={stages}."
+                f"Invalid value for argument `placement`. Received: placement={placement!r}. Expected 'auto' "
+                "or a non-empty dict mapping a layer-name regex to a stage, e.g. {'dense_[0-2]': 0, 'dense_[3-5]': 1}."
             )
-        rules.append((pattern, compiled, stage))
-    return rules
+        rules = []
+        for pattern, stage in placement.items():
+            try:
+                compiled = re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise ValueError(f"Placement rule {pattern!r} is not a valid regular expression: {e}.") from e
+            if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < stages:
+                raise ValueError(
+                    f"Placement rule {pattern!r} -> {stage!r}: the stage must be an integer in [0, {stages}) "
+                    f"for stages={stages}."
+                )
+            rules.append((pattern, compiled, stage))
+        self.stages = stages
+        self.rules: tuple[tuple[str, re.Pattern, int], ...] = tuple(rules)
+
+    @property
+    def patterns(self) -> list[str]:
+        return [p for p, _, _ in self.rules]
+
+    def stages_of(self, layer_name: str) -> list[int]:
+        """The stages of the rules that fully match `layer_name`, sorted (empty: no rule)."""
+        return sorted({stage for _, compiled, stage in self.rules if compiled.fullmatch(layer_name)})
+
+    def stage_of_path(self, path: str | None) -> int | None:
+        """The stage of a variable from its Keras path: the first path component (outermost layer)
+        that the rules give exactly one stage; None when none does."""
+        for part in (path or "").split("/")[:-1]:
+            hits = self.stages_of(part)
+            if len(hits) == 1:
+                return hits[0]
+        return None
 
 
-def plan_explicit(model, placement: Mapping[str, int], stages: int) -> PipelinePlan:
+def plan_explicit(model, placement: Mapping[str, int] | StageRules, stages: int) -> PipelinePlan:
     """A plan from rules mapping a regex (full match on a top-level layer name) to a stage.
 
     Every layer with weights must match exactly one stage. A layer without
@@ -232,10 +264,10 @@ def plan_explicit(model, placement: Mapping[str, int], stages: int) -> PipelineP
             assignment the data flow cannot follow (a layer on an earlier stage
             than a layer it reads from); weights shared across stages.
     """
-    rules = compile_placement(placement, stages)
+    rules = placement if isinstance(placement, StageRules) else StageRules(placement, stages)
     units = stage_units(model)
     names = [layer.name for layer in units]
-    for pattern, compiled, _ in rules:
+    for pattern, compiled, _ in rules.rules:
         if not any(compiled.fullmatch(n) for n in names):
             close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.3)
             raise ValueError(
@@ -245,7 +277,7 @@ def plan_explicit(model, placement: Mapping[str, int], stages: int) -> PipelineP
     parents = unit_parents(model, units)
     assigned: list[int | None] = []
     for i, layer in enumerate(units):
-        hits = sorted({stage for _, compiled, stage in rules if compiled.fullmatch(layer.name)})
+        hits = rules.stages_of(layer.name)
         if len(hits) > 1:
             raise ValueError(
                 f"Layer {layer.name!r} is matched by placement rules of stages {hits}; each layer belongs to "
@@ -256,7 +288,7 @@ def plan_explicit(model, placement: Mapping[str, int], stages: int) -> PipelineP
         elif layer.weights:
             raise ValueError(
                 f"Layer {layer.name!r} (with {_params(layer):,} parameters) is matched by no placement rule, "
-                f"so it has no stage. Rules: {[p for p, _, _ in rules]}. Add a rule for it."
+                f"so it has no stage. Rules: {rules.patterns}. Add a rule for it."
             )
         else:
             assigned.append(max((assigned[j] for j in parents[i]), default=0))
@@ -366,8 +398,7 @@ def balance(model, stages: int, cost: str = "params", *, batch_size: int = 8, ro
     Raises:
         ValueError: an unknown `cost`, more stages than layers, an unbuilt model.
     """
-    if cost not in COSTS:
-        raise ValueError(f"Invalid value for argument `cost`. Received: cost={cost!r}. Expected one of {COSTS}.")
+    _validate.one_of("cost", cost, COSTS)
     stages = _validate.integer("stages", stages)
     batch_size = _validate.integer("batch_size", batch_size)
     rounds = _validate.integer("rounds", rounds)

@@ -2,86 +2,17 @@
 
 from __future__ import annotations
 
-import itertools
-
 import tensorflow as tf
-from tensorflow.python.distribute import collective_util
-from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
-from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.distribute import mirrored_strategy
 
+from tfdist import _compat
+from tfdist import _validate
 from tfdist import devices as devices_lib
-from tfdist.strategies import _keras_compat
+from tfdist.strategies import _exact
+from tfdist.strategies import _mirrored
 from tfdist.strategies import topology as topology_lib
 
-COMMUNICATION_CHOICES = ("auto", "nccl", "ring", "hierarchical")
-GRADIENT_DTYPES = (None, "bfloat16", "float16")
-_GPU_ONLY = ("nccl", "hierarchical")
-# Collective group/instance keys start at a strategy's key base. TensorFlow gives every
-# MirroredStrategy the base 0, so two strategies in one process (a notebook, a test suite)
-# reuse keys and their all-reduces mix ("Shape mismatch in the collective instance").
-# Each tfdist strategy gets a base of its own, far from 0.
-_KEY_BASES = itertools.count(start=10_000_000, step=10_000_000)
-
-
-def _validate_communication(communication, devices):
-    if communication not in COMMUNICATION_CHOICES:
-        raise ValueError(
-            f"Invalid value for argument `communication`. Received: communication={communication!r}. "
-            f"Expected one of {COMMUNICATION_CHOICES}."
-        )
-    if communication in _GPU_ONLY:
-        not_gpu = [d for d in devices if "GPU" not in d.upper()]
-        if not_gpu:
-            raise ValueError(
-                f"communication={communication!r} needs GPU devices, but these are not GPUs: {not_gpu}. "
-                "Use communication='auto' or 'ring' on CPUs."
-            )
-
-
-def wire_dtype(gradient_dtype: str | None) -> tf.DType | None:
-    """Checks a strategy's `gradient_dtype` and returns the dtype gradients are all-reduced in.
-
-    Returns None for None (each gradient in its own dtype).
-
-    Raises:
-        ValueError: if `gradient_dtype` is not one of `GRADIENT_DTYPES`.
-
-    Example:
-
-    >>> wire_dtype("bfloat16").name
-    'bfloat16'
-    """
-    if gradient_dtype not in GRADIENT_DTYPES:
-        raise ValueError(
-            f"Invalid value for argument `gradient_dtype`. Received: gradient_dtype={gradient_dtype!r}. "
-            f"Expected one of {GRADIENT_DTYPES}."
-        )
-    return None if gradient_dtype is None else tf.as_dtype(gradient_dtype)
-
-
-class _DataParallelExtended(_keras_compat.ExactReplicaMixin, mirrored_strategy.MirroredExtended):
-    """MirroredExtended with tfdist's exact loss weighting and gradient application."""
-
-    def __init__(self, container_strategy, devices, communication):
-        cross_ops = {
-            "auto": None,
-            "ring": None,
-            "nccl": cross_device_ops_lib.NcclAllReduce(),
-            "hierarchical": cross_device_ops_lib.HierarchicalCopyAllReduce(),
-        }[communication]
-        super().__init__(container_strategy, devices=devices, cross_device_ops=cross_ops)
-        if communication == "ring":
-            self._communication_options = collective_util.Options(
-                implementation=collective_util.CommunicationImplementation.RING
-            )
-            self._collective_ops = cross_device_ops_lib.CollectiveAllReduce(
-                devices=self._devices,
-                group_size=len(self._devices),
-                options=self._communication_options,
-                collective_keys=self._collective_keys,
-            )
-            self._cross_device_ops = self._collective_ops
+COMMUNICATION_CHOICES = _mirrored.COMMUNICATION_CHOICES
+GRADIENT_DTYPES = _exact.GRADIENT_DTYPES
 
 
 class DataParallelStrategy(tf.distribute.MirroredStrategy):
@@ -132,16 +63,16 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         gradient_dtype: str | None = None,
     ):
         devices = devices_lib.device_list(devices)
-        _validate_communication(communication, devices)
-        wire = wire_dtype(gradient_dtype)
-        _keras_compat.install()
+        _mirrored.validate_communication(communication, devices)
+        _validate.one_of("gradient_dtype", gradient_dtype, GRADIENT_DTYPES)
+        _compat.install("data_parallel")
         self._communication = communication
         self._gradient_dtype = gradient_dtype
-        self._collective_key_base = next(_KEY_BASES)
-        # MirroredStrategy.__init__ only builds a MirroredExtended; build ours instead.
-        extended = _DataParallelExtended(self, devices=devices, communication=communication)
-        extended._tfdist_gradient_dtype = wire
-        distribute_lib.Strategy.__init__(self, extended)
+        self._collective_key_base = _mirrored.next_key_base()
+        extended = _mirrored.MirroredExtended(
+            self, devices=devices, communication=communication, gradient_dtype=gradient_dtype
+        )
+        _mirrored.init_strategy(self, extended, "MirroredStrategy")
 
     @property
     def communication(self) -> str:

@@ -13,21 +13,22 @@ import warnings
 import tensorflow as tf
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.python.distribute import collective_all_reduce_strategy as collective_lib
-from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.eager import context
 
+from tfdist import _compat
 from tfdist import _validate
 from tfdist import cluster as cluster_lib
 from tfdist import errors
+from tfdist._compat import step_deadline
 from tfdist.strategies import _deadline
-from tfdist.strategies import _keras_compat
-from tfdist.strategies import data_parallel
+from tfdist.strategies import _exact
+from tfdist.strategies import _mirrored
 from tfdist.strategies import topology as topology_lib
 
 COMMUNICATION_CHOICES = ("auto", "ring", "nccl")
 SHARDING_CHOICES = ("auto", "file", "data", "off")
-GRADIENT_DTYPES = data_parallel.GRADIENT_DTYPES
+GRADIENT_DTYPES = _exact.GRADIENT_DTYPES
 _SHARD_POLICIES = {
     "file": tf.data.experimental.AutoShardPolicy.FILE,
     "data": tf.data.experimental.AutoShardPolicy.DATA,
@@ -93,10 +94,23 @@ def shard_dataset(dataset: tf.data.Dataset, sharding: str, num_workers: int) -> 
     return dataset.with_options(options)
 
 
-class _MultiWorkerExtended(_keras_compat.ExactReplicaMixin, collective_lib.CollectiveAllReduceExtended):
-    """CollectiveAllReduceExtended with tfdist's exact loss weighting across workers."""
+class _MultiWorkerExtended(_exact.ExactReplicas, collective_lib.CollectiveAllReduceExtended):
+    """CollectiveAllReduceExtended with tfdist's exact loss weighting across workers.
 
-    _tfdist_sharding = "auto"
+    Args:
+        container_strategy, cluster_resolver, communication_options: as CollectiveAllReduceExtended's.
+        sharding: one of `SHARDING_CHOICES`, how `tf.data.Dataset`s are split over workers.
+        gradient_dtype: see `tfdist.strategies._exact.ExactReplicas`.
+    """
+
+    def __init__(self, container_strategy, *, cluster_resolver, communication_options, sharding, gradient_dtype):
+        self._tfdist_sharding = sharding
+        super().__init__(
+            container_strategy,
+            cluster_resolver=cluster_resolver,
+            communication_options=communication_options,
+            gradient_dtype=gradient_dtype,
+        )
 
     def _experimental_distribute_dataset(self, dataset, options):
         if self._num_workers > 1 and isinstance(dataset, tf.data.Dataset):
@@ -279,21 +293,13 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         sharding: str = "auto",
         gradient_dtype: str | None = None,
     ):
-        if communication not in COMMUNICATION_CHOICES:
-            raise ValueError(
-                f"Invalid value for argument `communication`. Received: communication={communication!r}. "
-                f"Expected one of {COMMUNICATION_CHOICES}."
-            )
+        _validate.one_of("communication", communication, COMMUNICATION_CHOICES)
         if communication == "nccl" and not tf.config.list_physical_devices("GPU"):
             raise ValueError(
                 "communication='nccl' needs GPUs, and this machine has none. Use communication='auto' or 'ring'."
             )
-        if sharding not in SHARDING_CHOICES:
-            raise ValueError(
-                f"Invalid value for argument `sharding`. Received: sharding={sharding!r}. "
-                f"Expected one of {SHARDING_CHOICES}."
-            )
-        wire_dtype = data_parallel.wire_dtype(gradient_dtype)
+        _validate.one_of("sharding", sharding, SHARDING_CHOICES)
+        _validate.one_of("gradient_dtype", gradient_dtype, GRADIENT_DTYPES)
         timeout = _positive("timeout", timeout, allow_none=True)
         heartbeat_timeout = _positive("heartbeat_timeout", heartbeat_timeout)
         if join_timeout is None:
@@ -306,7 +312,7 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                 f"Invalid value for argument `cluster`. Received: cluster={cluster!r}. Expected a "
                 "tfdist.cluster.Cluster (see tfdist.cluster.resolve) or None."
             )
-        _keras_compat.install()
+        _compat.install("multi_worker")
         self._cluster = cluster
         self._communication = communication
         self._timeout = timeout
@@ -322,15 +328,19 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             implementation=getattr(tf.distribute.experimental.CommunicationImplementation, communication.upper()),
         )
         with _bounded_join(cluster, join_timeout), _keep_sigterm_handler():
-            extended = _MultiWorkerExtended(self, cluster_resolver=resolver, communication_options=options)
+            extended = _MultiWorkerExtended(
+                self,
+                cluster_resolver=resolver,
+                communication_options=options,
+                sharding=sharding,
+                gradient_dtype=gradient_dtype,
+            )
         if timeout is not None and cluster is not None and cluster.num_workers > 1:
-            _keras_compat.set_step_deadline(
+            step_deadline.set_step_deadline(
                 _deadline.StepDeadline(timeout=timeout, what=f"worker {cluster.rank} ({cluster.address})")
             )
-        extended._tfdist_sharding = sharding
-        extended._tfdist_gradient_dtype = wire_dtype
         self._gradient_dtype = gradient_dtype
-        distribute_lib.Strategy.__init__(self, extended)
+        _mirrored.init_strategy(self, extended, "MultiWorkerMirroredStrategy")
 
     @property
     def cluster(self) -> cluster_lib.Cluster | None:

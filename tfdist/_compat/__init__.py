@@ -1,0 +1,110 @@
+"""Every private TensorFlow / Keras internal tfdist hooks, in one registry: patches only, no behaviour of their own.
+
+Each module covers one TensorFlow/Keras target and lists its `Hook`s: what it
+replaces, the source it checks (its probe) and the features that need it.
+`install(feature)` checks and applies exactly the hooks of one feature, once:
+
+| feature          | needed by                      | hooks                                                  |
+|------------------|--------------------------------|--------------------------------------------------------|
+| "data_parallel"  | DataParallelStrategy           | loss_scaling, optimizer, trainer (build, steps), mirrored |
+| "multi_worker"   | MultiWorkerStrategy            | data_parallel's + trainer (step outputs), step_deadline |
+| "model_parallel" | ModelParallelStrategy          | trainer (build, *_on_batch), variables, dtensor        |
+| "pipeline"       | PipelineStrategy               | data_parallel's + variables, layer_call, gradients, ... |
+| "callbacks"      | tfdist.callbacks.BackupAndRestore | epoch_iterator, callbacks                          |
+
+A hook acts only when the running strategy's `extended` is a
+`tfdist.strategies._extended.TfdistExtended` and asks it what to do (see that
+module); under any other strategy Keras keeps its behaviour. A probe that no
+longer matches raises `tfdist.CompatError` naming the hook, at install time.
+
+Example:
+
+>>> from tfdist import _compat
+>>> _compat.install("data_parallel")
+>>> _compat.installed("data_parallel")
+True
+>>> sorted(_compat.FEATURES)
+['callbacks', 'data_parallel', 'model_parallel', 'multi_worker', 'pipeline']
+"""
+
+from __future__ import annotations
+
+import threading
+
+from tfdist import _validate
+from tfdist import errors
+from tfdist._compat import callbacks
+from tfdist._compat import dtensor
+from tfdist._compat import epoch_iterator
+from tfdist._compat import gradients
+from tfdist._compat import layer_call
+from tfdist._compat import loss_scaling
+from tfdist._compat import mirrored
+from tfdist._compat import optimizer
+from tfdist._compat import step_deadline
+from tfdist._compat import trainer
+from tfdist._compat import variables
+from tfdist._compat._hook import CHECKED_ON
+from tfdist._compat._hook import Hook
+from tfdist._compat._hook import versions_match
+
+__all__ = ["CHECKED_ON", "FEATURES", "HOOKS", "CompatError", "Hook", "check_hooks", "install", "installed"]
+
+CompatError = errors.CompatError
+FEATURES = ("data_parallel", "multi_worker", "model_parallel", "pipeline", "callbacks")
+
+HOOKS: tuple[Hook, ...] = (
+    *loss_scaling.HOOKS,
+    *optimizer.HOOKS,
+    *trainer.HOOKS,
+    *mirrored.HOOKS,
+    *step_deadline.HOOKS,
+    *variables.HOOKS,
+    *dtensor.HOOKS,
+    *layer_call.HOOKS,
+    *gradients.HOOKS,
+    *epoch_iterator.HOOKS,
+    *callbacks.HOOKS,
+)
+"""The registry: every hook once. `install` and `check_hooks` read it when called."""
+
+_lock = threading.Lock()
+_installed: set[str] = set()
+
+
+def hooks_for(feature: str) -> tuple[Hook, ...]:
+    """The hooks `feature` needs, in registry order."""
+    _validate.one_of("feature", feature, FEATURES)
+    return tuple(h for h in HOOKS if feature in h.features)
+
+
+def install(feature: str) -> None:
+    """Checks, then applies, the hooks `feature` needs (once per process).
+
+    Raises:
+        CompatError: naming the first hook whose TensorFlow/Keras code changed.
+        ValueError: for a feature not in `FEATURES`.
+    """
+    hooks = hooks_for(feature)
+    with _lock:
+        if feature in _installed:
+            return
+        for h in hooks:
+            h.check()
+        for h in hooks:
+            h.apply()
+        _installed.add(feature)
+
+
+def installed(feature: str) -> bool:
+    """True once `install(feature)` ran and its patches are still in place."""
+    return feature in _installed and all(h.patched for h in hooks_for(feature))
+
+
+def check_hooks() -> None:
+    """Raises CompatError if any registered hook's TensorFlow/Keras code changed shape (installs nothing)."""
+    for h in HOOKS:
+        h.check()
+
+
+__all__ += ["hooks_for", "versions_match"]

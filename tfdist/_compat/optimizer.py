@@ -1,0 +1,95 @@
+"""Keras' optimizer `apply`: handed to the strategy, which all-reduces first and applies once.
+
+Keras clips each replica's gradient before the all-reduce, and its accumulation
+step calls `merge_call` inside a `cond` branch, which tf.distribute forbids.
+Under a tfdist strategy, `apply` in replica context goes to
+`TfdistExtended._tfdist_apply_gradients` with Keras' own `apply` to call once;
+`LossScaleOptimizer.apply` (which does not go through the base class') first
+asks for the micro-batch sum (`_tfdist_accumulate_microbatch`), so its
+loss-scale check and unscaling see the whole step's gradient.
+`rekey` re-indexes an optimizer whose tf.Variables were replaced. Checked on
+Keras 3.15.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
+from keras.src.optimizers import base_optimizer as keras_base_optimizer
+from tensorflow.python.distribute import merge_call_interim
+
+from tfdist._compat._hook import EXACT
+from tfdist._compat._hook import hook
+from tfdist.strategies import _extended
+
+_original_apply = keras_base_optimizer.BaseOptimizer.apply
+_loss_scale_optimizer = keras.optimizers.LossScaleOptimizer
+_original_loss_scale_apply = _loss_scale_optimizer.apply
+
+
+def _apply(self, grads, trainable_variables=None):
+    extended = _extended.in_replica()
+    if extended is None:
+        return _original_apply(self, grads, trainable_variables)
+    return extended._tfdist_apply_gradients(grads, lambda g: _original_apply(self, g, trainable_variables))
+
+
+def _loss_scale_apply(self, grads, trainable_variables=None):
+    extended = _extended.in_replica()
+    if extended is not None:
+        grads = extended._tfdist_accumulate_microbatch(list(grads))
+        if grads is None:
+            return None
+    return _original_loss_scale_apply(self, grads, trainable_variables)
+
+
+def rekey(optimizer) -> None:
+    """Re-indexes a built optimizer's variables after their tf.Variables were replaced.
+
+    Keras keys each trainable variable by its tf.Variable (`_var_key`); a strategy
+    that moves a variable gives the Keras variable a new tf.Variable.
+    """
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):  # LossScaleOptimizer wraps one
+        if opt is not None:
+            opt._trainable_variables_indices = {opt._var_key(v): i for i, v in enumerate(opt._trainable_variables)}
+
+
+HOOKS = (
+    hook(
+        "optimizer_apply",
+        keras_base_optimizer.BaseOptimizer.apply,
+        ("_backend_apply_gradients",),
+        *EXACT,
+        patch=(keras_tf_optimizer.TFOptimizer, "apply", _apply),
+        original=_original_apply,  # TFOptimizer must not override the base class' apply
+    ),
+    hook(
+        "optimizer_accumulation",
+        keras_base_optimizer.BaseOptimizer._backend_apply_gradients,
+        ("ops.cond(", "_clip_gradients(grads)", "_backend_update_step("),
+        *EXACT,
+    ),
+    hook(
+        "optimizer_all_reduce",
+        keras_tf_optimizer.TFOptimizer._backend_update_step,
+        ("_all_reduce_sum_gradients", "maybe_merge_call"),
+        *EXACT,
+    ),
+    hook("optimizer_merge_call", merge_call_interim.strategy_supports_no_merge_call, ("_use_merge_call()",), *EXACT),
+    hook(
+        "loss_scale_apply",
+        _original_loss_scale_apply,
+        ("def apply(self, grads, trainable_variables=None):", "self._tf_apply(grads, trainable_variables)"),
+        "pipeline",
+        patch=(_loss_scale_optimizer, "apply", _loss_scale_apply),
+    ),
+    hook(
+        "optimizer_variable_keys",
+        keras_base_optimizer.BaseOptimizer.build,
+        ("self._trainable_variables_indices[self._var_key(variable)] = i",),
+        "pipeline",
+    ),
+    hook(
+        "optimizer_tf_variable_key", keras_tf_optimizer.TFOptimizer._var_key, ("variable = variable.value",), "pipeline"
+    ),
+)

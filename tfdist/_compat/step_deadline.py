@@ -1,0 +1,62 @@
+"""TensorFlow's `AtomicFunction.call_flat`: the deadline on distributed steps (MultiWorkerStrategy's `timeout`).
+
+Every eager call of a traced function goes through `AtomicFunction.call_flat`;
+while a deadline is set (`set_step_deadline`, a `tfdist.strategies._deadline.StepDeadline`),
+calls of functions that contain collective ops are timed by it. Checked on
+TensorFlow 2.21.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from tensorflow.python.eager.polymorphic_function import atomic_function as tf_atomic_function
+
+from tfdist._compat._hook import hook
+
+_original_call_flat = tf_atomic_function.AtomicFunction.call_flat
+_step_deadline = None
+_lock = threading.Lock()
+_collective_functions: dict = {}
+
+
+def _has_collectives(function) -> bool:
+    """Whether the traced function, or one it calls, contains a collective op (cached by name)."""
+    key = (function._bound_context.function_scope_id, function.name)
+    found = _collective_functions.get(key)
+    if found is None:
+        found = any(node.op.startswith("Collective") for node in function.cached_definition.node_def) or any(
+            _has_collectives(child) for child in function.children
+        )
+        _collective_functions[key] = found
+    return found
+
+
+def _call_flat(self, *args):
+    deadline = _step_deadline
+    if deadline is None or not self._bound_context.executing_eagerly() or not _has_collectives(self):
+        return _original_call_flat(self, *args)
+    with deadline.running():
+        return _original_call_flat(self, *args)
+
+
+HOOK = hook(
+    "step_deadline",
+    _original_call_flat,
+    ("if self._bound_context.executing_eagerly():", ".call_function("),
+    "multi_worker",
+    patch=(tf_atomic_function.AtomicFunction, "call_flat", _call_flat),
+)
+HOOKS = (HOOK,)
+
+
+def set_step_deadline(deadline) -> None:
+    """Times calls of functions with collectives by `deadline` (a `StepDeadline`; None: untimed)."""
+    global _step_deadline
+    with _lock:
+        if deadline is not None:
+            HOOK.check()
+            HOOK.apply()
+        if _step_deadline is not None and _step_deadline is not deadline:
+            _step_deadline.close()
+        _step_deadline = deadline

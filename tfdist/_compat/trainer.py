@@ -1,0 +1,243 @@
+"""Keras' TensorFlow trainer: the symbolic build, the multi-step function, step identification,
+the multi-worker reduction of step outputs, and `*_on_batch` inputs.
+
+* Symbolic build. Keras builds the model on the replica-MEAN of a first batch
+  drawn from an extra iterator: that crashes (`AddN`) when the first batch
+  splits unevenly, and the extra pass reshuffles a `shuffle()`d dataset, so
+  training sees another order than on one device. Under a tfdist strategy the
+  model is built from the distributed dataset's element spec (shapes and
+  dtypes, which is all the build uses), reading no data, after the strategy's
+  `_tfdist_check_global_batch`.
+* `steps_per_execution > 1`: Keras runs its nested `one_step_on_data`
+  tf.function inside a cond inside a while loop; with distributed inputs that
+  fails at run time under any MirroredStrategy ("You must feed a value for
+  placeholder tensor 'while/cond/Placeholder'"). Under a strategy with
+  `_tfdist_inline_steps` the step is traced inline (same ops, no nesting).
+* `keras_step(fn)`: which model's train/test/predict step `fn` is.
+* Multi-worker: Keras' `reduce_per_replica` reduces the "mean" of step outputs
+  (scalar metric results) with `strategy.reduce(..., axis=0)`, which fails on
+  scalars ("Invalid reduction dimension 0"). Under a tfdist multi-worker
+  strategy it takes the element-wise mean over all replicas (axis=None).
+* `train_on_batch` / `test_on_batch` / `predict_on_batch` hand host arrays to
+  the traced step; they first go through the strategy's `_tfdist_shard_batch`
+  (a DTensor program refuses non-DTensor inputs), class weights turned into
+  sample weights first, as Keras would.
+
+Checked on TensorFlow 2.21 / Keras 3.15.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import keras
+import tensorflow as tf
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from tensorflow.python.distribute import values as tf_values
+from tensorflow.python.util import nest
+from tensorflow.python.util import tf_decorator
+
+from tfdist._compat._hook import EXACT
+from tfdist._compat._hook import hook
+from tfdist._compat._hook import missing_spec_error
+from tfdist.strategies import _extended
+
+_trainer = keras_tf_trainer.TensorFlowTrainer
+
+
+# ------------------------------------------------------------------ symbolic build
+def batch_spec(epoch_iterator):
+    """One replica's batch as TensorSpecs, from a Keras epoch iterator's distributed dataset (None without one)."""
+    spec = getattr(getattr(epoch_iterator, "_distributed_dataset", None), "element_spec", None)
+    if spec is None:
+        return None
+
+    def one_replica(leaf):
+        if isinstance(leaf, tf_values.PerReplicaSpec):
+            return leaf._value_specs[0]
+        return leaf
+
+    return nest.map_structure(one_replica, spec)
+
+
+_original_maybe_symbolic_build = _trainer._maybe_symbolic_build
+
+
+def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    strategy = self._distribute_strategy
+    extended = _extended.extended_of(strategy)
+    if extended is None or iterator is None:
+        return _original_maybe_symbolic_build(self, iterator=iterator, data_batch=data_batch)
+    data_batch = batch_spec(iterator)
+    if data_batch is None:
+        raise missing_spec_error("symbolic_build", "distributed dataset")
+    extended._tfdist_check_global_batch(iterator.data_adapter.batch_size)
+    with strategy.scope():
+        self._symbolic_build(data_batch=data_batch)
+
+
+# ------------------------------------------------------------------ steps_per_execution > 1
+_original_make_function = _trainer._make_function
+_make_function_lock = threading.Lock()
+
+
+class _InlineStepTensorFlow:
+    """Stands in for the `tf` module inside Keras' trainer while it builds a step function."""
+
+    def __getattr__(self, name):
+        return getattr(tf, name)
+
+    @staticmethod
+    def function(func=None, **kwargs):
+        if func is not None and getattr(func, "__name__", "") == "one_step_on_data":
+            return func
+        return tf.function(func, **kwargs) if func is not None else tf.function(**kwargs)
+
+
+def _make_function(self, step_function):
+    extended = _extended.extended_of(self._distribute_strategy)
+    if extended is None or not extended._tfdist_inline_steps or self.steps_per_execution == 1:
+        return _original_make_function(self, step_function)
+    with _make_function_lock:
+        keras_tf_trainer.tf = _InlineStepTensorFlow()
+        try:
+            return _original_make_function(self, step_function)
+        finally:
+            keras_tf_trainer.tf = tf
+
+
+# ------------------------------------------------------------------ which step is running
+_KERAS_STEPS = ("train_step", "test_step", "predict_step")
+# Keras' predict function runs a local closure over the model, not the bound predict_step.
+_KERAS_PREDICT_CLOSURE = "make_predict_function.<locals>.one_step_on_data"
+
+
+def keras_step(fn):
+    """`(model, kind)` when `fn` is (a wrapper of) a Keras model's step, else `(None, None)`.
+
+    `kind` is "train", "test" or "predict".
+    """
+    _, target = tf_decorator.unwrap(fn)
+    for _ in range(8):  # tf_convert and functools wrappers, a few deep
+        owner = getattr(target, "__self__", None)
+        name = getattr(target, "__name__", "")
+        if isinstance(owner, keras.Model) and name in _KERAS_STEPS:
+            return owner, name[: -len("_step")]
+        if getattr(target, "__qualname__", "").endswith(_KERAS_PREDICT_CLOSURE) and hasattr(target, "__code__"):
+            cells = dict(zip(target.__code__.co_freevars, target.__closure__ or ()))
+            owner = cells["self"].cell_contents if "self" in cells else None
+            if isinstance(owner, keras.Model):  # else a wrapper carrying the same name
+                return owner, "predict"
+        target = getattr(target, "__wrapped__", None)
+        if target is None:
+            break
+    return None, None
+
+
+# ------------------------------------------------------------------ multi-worker step outputs
+_original_reduce_per_replica = keras_tf_trainer.reduce_per_replica
+
+
+def _reduce_per_replica(values, strategy, reduction):
+    if (
+        reduction not in ("auto", "mean")
+        or _extended.extended_of(strategy) is None
+        or not keras_tf_trainer._collective_all_reduce_multi_worker(strategy)
+    ):
+        return _original_reduce_per_replica(values, strategy, reduction)
+    return nest.map_structure(lambda v: strategy.reduce(tf.distribute.ReduceOp.MEAN, v, axis=None), values)
+
+
+# ------------------------------------------------------------------ *_on_batch inputs
+_original_train_on_batch = _trainer.train_on_batch
+_original_test_on_batch = _trainer.test_on_batch
+_original_predict_on_batch = _trainer.predict_on_batch
+
+
+def _train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
+    extended = _extended.extended_of(self.distribute_strategy)
+    if extended is not None:
+        if class_weight is not None and sample_weight is None:
+            sample_weight = keras.src.trainers.data_adapters.data_adapter_utils.class_weight_to_sample_weights(
+                y, class_weight
+            )
+            class_weight = None
+        x, y, sample_weight = extended._tfdist_shard_batch((x, y, sample_weight))
+    return _original_train_on_batch(self, x, y, sample_weight, class_weight, return_dict)
+
+
+def _test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
+    extended = _extended.extended_of(self.distribute_strategy)
+    if extended is not None:
+        x, y, sample_weight = extended._tfdist_shard_batch((x, y, sample_weight))
+    return _original_test_on_batch(self, x, y, sample_weight, return_dict)
+
+
+def _predict_on_batch(self, x):
+    extended = _extended.extended_of(self.distribute_strategy)
+    return _original_predict_on_batch(self, x if extended is None else extended._tfdist_shard_batch(x))
+
+
+_ALL = (*EXACT, "model_parallel")
+HOOKS = (
+    hook(
+        "symbolic_build",
+        _original_maybe_symbolic_build,
+        ('self.distribute_strategy.reduce(', '"MEAN"', "self._symbolic_build(data_batch=data_batch)"),
+        *_ALL,
+        patch=(_trainer, "_maybe_symbolic_build", _maybe_symbolic_build),
+    ),
+    hook(
+        "epoch_iterator_dataset",
+        keras_tf_trainer.TFEpochIterator.__init__,
+        ("self._distributed_dataset = dataset",),
+        *_ALL,
+    ),
+    hook(
+        "inline_step",
+        _original_make_function,
+        ("def one_step_on_data(data):", "one_step_on_data = tf.function(", "tf.while_loop("),
+        *EXACT,
+        patch=(_trainer, "_make_function", _make_function),
+    ),
+    hook(
+        "predict_closure",
+        _trainer.make_predict_function,
+        ("def one_step_on_data(data):", "return self.predict_step(data)", "distribute_strategy.run("),
+        *EXACT,
+    ),
+    hook(
+        "multi_worker_reduce",
+        _original_reduce_per_replica,
+        ("_collective_all_reduce_multi_worker(strategy)", 'strategy.reduce("MEAN", v, axis=0)'),
+        "multi_worker",
+        patch=(keras_tf_trainer, "reduce_per_replica", _reduce_per_replica),
+    ),
+    hook(
+        "multi_worker_check",
+        keras_tf_trainer._collective_all_reduce_multi_worker,
+        ("_in_multi_worker_mode()",),
+        "multi_worker",
+    ),
+    hook(
+        "train_on_batch",
+        _original_train_on_batch,
+        ("def data():", "self.train_function(data())"),
+        "model_parallel",
+        patch=(_trainer, "train_on_batch", _train_on_batch),
+    ),
+    hook(
+        "test_on_batch",
+        _original_test_on_batch,
+        ("def data():", "self.test_function(data())"),
+        "model_parallel",
+        patch=(_trainer, "test_on_batch", _test_on_batch),
+    ),
+    hook(
+        "predict_on_batch",
+        _original_predict_on_batch,
+        ("self.predict_function([(x,)])",),
+        "model_parallel",
+        patch=(_trainer, "predict_on_batch", _predict_on_batch),
+    ),
+)

@@ -1,0 +1,59 @@
+"""Preemption: SIGTERM during `fit` asks for a backup and a clean exit, on every worker at the same step."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+from tfdist.callbacks import _workers
+from tfdist.strategies import topology
+
+
+class Preemption:
+    """The SIGTERM flag of one `fit`: set by a signal handler, agreed between the workers at fixed steps.
+
+    `start()` installs the handler (only when `fit` runs in the main thread,
+    where Python delivers signals) and `stop()` puts the previous one back.
+    Under several workers `check` all-gathers the flag every `check_steps`
+    steps and at epoch ends, a collective that every worker runs at the same
+    steps, so all of them learn of any worker's SIGTERM at the same step.
+    """
+
+    def __init__(self, strategy, *, enabled: bool, check_steps: int):
+        self._strategy = strategy
+        self._num_workers = topology.of(strategy).num_workers
+        self._enabled = enabled
+        self._check_steps = check_steps
+        self._previous_handler = None
+        self.requested = False
+
+    def start(self) -> None:
+        if not self._enabled or threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, frame):
+            self.requested = True
+
+        self._previous_handler = signal.signal(signal.SIGTERM, handler)
+
+    def stop(self) -> None:
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+
+    def check(self, step: int, *, epoch_end: bool = False) -> bool:
+        """Whether any worker got SIGTERM (exchanged at this step when due, else this worker's own flag)."""
+        if not self._enabled:
+            return False
+        due = epoch_end or step % self._check_steps == 0
+        if self._num_workers > 1 and due:
+            self.requested = bool(_workers.all_gather_rows(self._strategy, [float(self.requested)]).max())
+        return self.requested
+
+    def exit(self, saved: str) -> None:
+        """Puts the previous handler back, says what was `saved`, and exits the process with status 0."""
+        self.stop()
+        print(f"tfdist BackupAndRestore: SIGTERM received; saved {saved}; exiting with status 0.", file=sys.stderr,
+              flush=True)
+        raise SystemExit(0)

@@ -1,0 +1,84 @@
+"""`PlacementReport`: where each variable of a model lives on a mesh, and the bytes on each device."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class VariablePlacement:
+    """Where one variable lives: its path, global shape, per-dimension spec and bytes."""
+
+    path: str
+    shape: tuple
+    dtype: str
+    spec: tuple
+    bytes_total: int
+    bytes_per_device: int
+    gathered: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementReport:
+    """`ModelParallelStrategy.placement_report`'s result.
+
+    Attributes:
+        mesh: axis name -> size.
+        variables: one `VariablePlacement` per variable (model weights, then
+            optimizer state), in the model's order.
+        bytes_per_device: device name -> bytes of all variables it holds.
+        unmatched_rules: `(rule, near misses)` for each rule that matched no
+            variable of the model.
+        misplaced: `(path, spec the rules give, spec it has)` for each model
+            variable whose layout is not what the rules give its path (it was
+            created under another path, or under another strategy's rules).
+    """
+
+    mesh: dict
+    variables: tuple
+    bytes_per_device: dict
+    unmatched_rules: tuple
+    misplaced: tuple = ()
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes of all variables, counted once (as on one device)."""
+        return sum(v.bytes_total for v in self.variables)
+
+    def table(self) -> str:
+        """The report as a text table."""
+        rows = [("path", "shape", "layout", "bytes total", "bytes/device")]
+        for v in self.variables:
+            layout = (
+                "(" + ", ".join("-" if a is None else a for a in v.spec) + ")" + (" gathered" if v.gathered else "")
+            )
+            rows.append((v.path, str(list(v.shape)), layout, f"{v.bytes_total:,}", f"{v.bytes_per_device:,}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = [
+            "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows
+        ]
+        lines.insert(1, "-" * len(lines[0]))
+        per_device = set(self.bytes_per_device.values())
+        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+        if len(per_device) == 1:
+            lines.append(
+                f"mesh {mesh}: {len(self.variables)} variables, {self.bytes_total:,} bytes in all, "
+                f"{per_device.pop():,} bytes on each of {len(self.bytes_per_device)} devices"
+            )
+        else:
+            lines.append(f"mesh {mesh}: bytes per device {self.bytes_per_device}")
+        lines.extend(self.problems())
+        return "\n".join(lines)
+
+    def problems(self) -> list[str]:
+        """One line per rule that matched nothing and per misplaced variable."""
+        lines = [
+            f"rule {rule} matched no variable; similar paths: {near or 'none'}" for rule, near in self.unmatched_rules
+        ]
+        lines += [
+            f"variable {path!r} has layout {actual} but the rules give its path {expected}"
+            for path, expected, actual in self.misplaced
+        ]
+        return lines
+
+

@@ -1,0 +1,264 @@
+"""The data-parallel runtime: replicas that together compute the single-device result.
+
+`ExactReplicas` is the `TfdistExtended` of DataParallelStrategy,
+MultiWorkerStrategy and PipelineStrategy (mixed into TensorFlow's
+MirroredExtended / CollectiveAllReduceExtended). Plain Keras 3 under
+MirroredStrategy is wrong or broken in ways this runtime corrects, each with a
+hook in `tfdist._compat` that hands the decision here:
+
+1. Loss weighting. Keras scales each replica's mean loss by 1 / replicas, so a
+   global batch that splits unevenly weights a replica holding 1 example like
+   one holding 3. `_call_for_each_replica` gives each replica its share of the
+   global batch (n_replica / n_global, over all workers), which the loss
+   scaling hook reads (`_tfdist_replica_share`): the summed gradient is exactly
+   the single-device gradient. A replica left without examples (global batch
+   smaller than the replica count) runs on a padding copy of one example with
+   share 0, its metric updates undone and its outputs dropped (`run_weighted`).
+2. Gradient clipping and accumulation. Keras clips each replica's gradient
+   before the all-reduce, and its accumulation step calls `merge_call` inside a
+   `cond` branch. `_tfdist_apply_gradients` all-reduces first (in the
+   strategy's `gradient_dtype`), then runs Keras' own `apply` once in
+   cross-replica context (`_use_merge_call` answers False meanwhile), so
+   clipping, accumulation, weight decay and EMA behave as on one device.
+3. The symbolic build from the element spec and `steps_per_execution > 1`
+   traced inline (`_tfdist_inline_steps`) are the trainer hooks' part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import tensorflow as tf
+from tensorflow.python.autograph.core import ag_ctx
+from tensorflow.python.autograph.impl import api as autograph
+from tensorflow.python.distribute import values as tf_values
+from tensorflow.python.util import nest
+
+from tfdist import _validate
+from tfdist._compat import trainer as keras_trainer
+from tfdist.strategies import _extended
+
+GRADIENT_DTYPES = (None, "bfloat16", "float16")
+
+
+def wire_dtype(gradient_dtype: str | None) -> tf.DType | None:
+    """Checks a strategy's `gradient_dtype` and returns the dtype gradients are all-reduced in.
+
+    Returns None for None (each gradient in its own dtype).
+
+    Raises:
+        ValueError: if `gradient_dtype` is not one of `GRADIENT_DTYPES`.
+
+    Example:
+
+    >>> wire_dtype("bfloat16").name
+    'bfloat16'
+    """
+    _validate.one_of("gradient_dtype", gradient_dtype, GRADIENT_DTYPES)
+    return None if gradient_dtype is None else tf.as_dtype(gradient_dtype)
+
+
+# This replica's share of the global batch while its step function runs. MirroredStrategy runs
+# each replica's function in its own thread, so this is thread-local.
+_replica_state = threading.local()
+
+
+def current_example_share():
+    """This replica's examples / the global batch's examples while a tfdist step runs, else None."""
+    return getattr(_replica_state, "share", None)
+
+
+@contextlib.contextmanager
+def _example_share(share):
+    previous = current_example_share()
+    _replica_state.share = share
+    try:
+        yield
+    finally:
+        _replica_state.share = previous
+
+
+def run_weighted(fn, share, padded, model, *args, **kwargs):
+    """Runs a Keras step on part of the global batch: its loss weighted by `share` (its examples /
+    the global batch's), and, when `padded` (a filler row standing in for no example), its metric
+    updates undone and its batch-sized outputs dropped. `padded=False` skips both."""
+    with _example_share(share):
+        if padded is False:
+            return fn(*args, **kwargs)
+        with _undo_metric_updates_if(padded, model):
+            outputs = fn(*args, **kwargs)
+    return nest.map_structure(lambda t: _drop_padding(t, padded), outputs)
+
+
+@contextlib.contextmanager
+def _undo_metric_updates_if(padded, model):
+    """Restores this replica's (local, sync-on-read) metric state afterwards when `padded`."""
+    if model is None:
+        yield
+        return
+    variables = list(model.metrics_variables)
+    saved = [tf.identity(v.value) for v in variables]
+    yield
+
+    def restore():
+        for v, value in zip(variables, saved):
+            v.assign(value)
+        return tf.constant(True)
+
+    tf.cond(padded, restore, lambda: tf.constant(False))
+
+
+def _drop_padding(value, padded):
+    """Drops the rows of a padded replica's batch-sized output (its static batch size is unknown)."""
+    if not isinstance(value, tf.Tensor) or not value.shape.rank or value.shape[0] is not None:
+        return value
+    return tf.cond(padded, lambda: value[:0], lambda: value)
+
+
+def _as_mirrored(value):
+    if isinstance(value, tf_values.PerReplica):
+        return tf_values.Mirrored(value.values)
+    return value
+
+
+class ExactReplicas(_extended.TfdistExtended):
+    """Mixin for a mirrored `StrategyExtended` whose replicas compute the single-device result.
+
+    Args (keyword, before the extended's own):
+        gradient_dtype: None, "bfloat16" or "float16": the dtype wider float
+            gradients are all-reduced in (cast back afterwards).
+    """
+
+    _tfdist_inline_steps = True
+
+    def __init__(self, *args, gradient_dtype: str | None = None, **kwargs):
+        self._tfdist_gradient_dtype = wire_dtype(gradient_dtype)
+        super().__init__(*args, **kwargs)
+
+    def _tfdist_flags(self):
+        """Per-thread step state (created on first use, so the extended copies as TensorFlow's does)."""
+        flags = self.__dict__.get("_tfdist_thread_flags")
+        if flags is None:
+            flags = self.__dict__["_tfdist_thread_flags"] = threading.local()
+        return flags
+
+    # ---------------------------------------------------------------- what the hooks ask
+    def _tfdist_replica_share(self):
+        return current_example_share()
+
+    def _tfdist_apply_gradients(self, grads, apply):
+        grads = self._tfdist_accumulate_microbatch(list(grads))
+        if grads is None:
+            return None
+        if self._num_replicas_in_sync > 1:
+            present = [i for i, g in enumerate(grads) if g is not None]
+            reduced = self._tfdist_all_reduce_gradients([grads[i] for i in present])
+            for i, g in zip(present, reduced):
+                grads[i] = g
+        # Even with one replica: Keras' accumulation step would call merge_call inside a cond.
+
+        def apply_once(unused_strategy, reduced_grads):
+            reduced_grads = [None if g is None else _as_mirrored(g) for g in reduced_grads]
+            with self._tfdist_cross_replica_apply():
+                return apply(reduced_grads)
+
+        return tf.distribute.get_replica_context().merge_call(apply_once, args=(grads,))
+
+    def _tfdist_all_reduce_gradients(self, grads):
+        """All-reduces (sums) the per-replica gradients; runs in replica context.
+
+        With a `gradient_dtype`, wider float gradients travel in it and are cast back.
+        """
+        if not grads:
+            return []
+        wire = self._tfdist_gradient_dtype
+        if wire is not None:
+            sent = [tf.cast(g, wire) if g.dtype.is_floating and g.dtype.size > wire.size else g for g in grads]
+        else:
+            sent = grads
+        reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sent)
+        return [r if r.dtype == g.dtype else tf.cast(r, g.dtype) for r, g in zip(reduced, grads)]
+
+    # ---------------------------------------------------------------- cross-replica apply
+    @contextlib.contextmanager
+    def _tfdist_cross_replica_apply(self):
+        flags = self._tfdist_flags()
+        flags.applying = True
+        try:
+            yield
+        finally:
+            flags.applying = False
+
+    def _use_merge_call(self):
+        if getattr(self._tfdist_flags(), "applying", False):
+            return False
+        return super()._use_merge_call()
+
+    # ---------------------------------------------------------------- replicas
+    def _call_for_each_replica(self, fn, args, kwargs):
+        prepared = self._tfdist_prepare_replicas(fn, args, kwargs or {})
+        if prepared is None:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        args, shares, padded, model = prepared
+        fn = autograph.tf_convert(fn, ag_ctx.control_status_ctx(), convert_by_default=False)
+
+        @autograph.do_not_convert
+        def weighted(replica_share, replica_padded, *a, **kw):
+            return run_weighted(fn, replica_share, replica_padded, model, *a, **kw)
+
+        return super()._call_for_each_replica(weighted, (shares, padded) + tuple(args), kwargs)
+
+    def _tfdist_prepare_replicas(self, fn, args, kwargs):
+        """Each replica's share of the global batch; empty replicas padded for Keras steps.
+
+        A global batch smaller than the number of replicas leaves some replicas
+        without examples, and several CPU kernels (oneDNN convolutions) fail on
+        an empty batch. For Keras' train/test/predict steps such a replica runs
+        on one filler row (replica 0's first example, or zeros on a worker with
+        no example at all) with loss share 0, its metric updates are undone and
+        its outputs dropped, so the step equals one device's.
+        """
+        batched = [
+            leaf
+            for leaf in nest.flatten((args, kwargs))
+            if isinstance(leaf, tf_values.PerReplica)
+            and all(isinstance(p, tf.Tensor) and p.shape.rank for p in leaf.values)
+        ]
+        # One replica in sync needs no weighting; a multi-worker replica may be alone on its worker.
+        if not batched or self._num_replicas_in_sync < 2:
+            return None
+        devices = self.worker_devices
+        counts = []
+        for device, part in zip(devices, batched[0].values):
+            with tf.device(device):
+                counts.append(tf.shape(part)[0])
+        model = keras_trainer.keras_step(fn)[0] if not kwargs and len(args) == 1 else None
+        if model is not None:
+            args = (nest.map_structure(lambda leaf: self._tfdist_pad(leaf, counts), args[0]),)
+        total = self._tfdist_global_count(tf.cast(tf.add_n(counts), tf.float32))
+        shares, padded = [], []
+        for device, count in zip(devices, counts):
+            with tf.device(device):
+                shares.append(tf.math.divide_no_nan(tf.cast(count, tf.float32), total))
+                padded.append(tf.logical_and(model is not None, tf.equal(count, 0)))
+        return args, tf_values.PerReplica(shares), tf_values.PerReplica(padded), model
+
+    def _tfdist_pad(self, leaf, counts):
+        """Gives each empty local replica of a batched PerReplica leaf one filler row.
+
+        The filler is replica 0's first row when it has one (real data), else a
+        row of zeros (a worker whose replicas all got no example).
+        """
+        if not isinstance(leaf, tf_values.PerReplica) or not leaf.values[0].shape.rank:
+            return leaf
+        devices = self.worker_devices
+        first = leaf.values[0]
+        with tf.device(devices[0]):
+            zeros = tf.zeros(tf.concat([[1], tf.shape(first)[1:]], axis=0), dtype=first.dtype)
+            filler = tf.cond(counts[0] > 0, lambda: first[:1], lambda: zeros)
+        parts = []
+        for device, count, part in zip(devices, counts, leaf.values):
+            with tf.device(device):
+                parts.append(tf.cond(count > 0, lambda p=part: p, lambda: filler))
+        return tf_values.PerReplica(parts)

@@ -1,0 +1,81 @@
+"""`TfdistExtended`: the one interface between tfdist's Keras hooks (`tfdist._compat`) and its strategies.
+
+A hook acts when the running strategy's `extended` is an instance of
+`TfdistExtended` (that is the only test: a user's subclass of a tfdist strategy
+keeps every fix), and asks it what to do through the methods below. Their
+defaults keep Keras' own behaviour; each strategy overrides what it changes.
+
+| method / attribute              | called by the hook on                        | default              |
+|---------------------------------|----------------------------------------------|----------------------|
+| `_tfdist_replica_share()`       | Keras' loss (un)scaling                      | None: 1 / replicas   |
+| `_tfdist_apply_gradients()`     | `optimizer.apply` in replica context         | Keras' apply         |
+| `_tfdist_accumulate_microbatch` | `LossScaleOptimizer.apply` in replica context | the gradients as-is  |
+| `_tfdist_check_global_batch()`  | the symbolic build (from the element spec)   | accept any batch     |
+| `_tfdist_shard_batch()`         | `train/test/predict_on_batch` host inputs    | the inputs as-is     |
+| `_tfdist_inline_steps`          | Keras' multi-step function                   | False: Keras' nesting |
+
+Two more are the strategies' own vocabulary, used by their runtimes and tools
+(benchmarks, the advisor): `_tfdist_global_count` and `_tfdist_all_reduce_gradients`.
+
+Example:
+
+>>> import tensorflow as tf
+>>> extended_of(tf.distribute.get_strategy()) is None  # the default strategy is not tfdist's
+True
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+class TfdistExtended:
+    """Mixin for the `tf.distribute.StrategyExtended` of every tfdist strategy; the hooks call only this."""
+
+    # steps_per_execution > 1: whether Keras' per-step tf.function is traced inline into its loop
+    # (MirroredStrategy fails on the nested function at run time).
+    _tfdist_inline_steps = False
+
+    def _tfdist_replica_share(self):
+        """This replica's examples / the global batch's while a step runs (a scalar tensor), else None.
+
+        None keeps Keras' loss scaling by 1 / `num_replicas_in_sync`.
+        """
+        return None
+
+    def _tfdist_global_count(self, local_count):
+        """The examples of this step over all workers, given this worker's `local_count`."""
+        return local_count
+
+    def _tfdist_all_reduce_gradients(self, grads):
+        """Sums per-replica gradients over all replicas (replica context); returns them in their dtypes."""
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
+
+    def _tfdist_accumulate_microbatch(self, grads):
+        """Within a micro-batched step: None until the last micro-batch, then the sum; else `grads`."""
+        return grads
+
+    def _tfdist_apply_gradients(self, grads, apply):
+        """Applies `grads` from replica context; `apply(grads)` is Keras' own (cross-replica safe) apply."""
+        return apply(grads)
+
+    def _tfdist_check_global_batch(self, batch_size) -> None:
+        """Raises ValueError when `fit`'s global `batch_size` (None: unknown) cannot be used."""
+        del batch_size
+
+    def _tfdist_shard_batch(self, structure):
+        """Host inputs of `train_on_batch` / `test_on_batch` / `predict_on_batch`, as the step takes them."""
+        return structure
+
+
+def extended_of(strategy) -> TfdistExtended | None:
+    """`strategy.extended` when it is a `TfdistExtended`, else None."""
+    extended = getattr(strategy, "extended", None)
+    return extended if isinstance(extended, TfdistExtended) else None
+
+
+def in_replica() -> TfdistExtended | None:
+    """The running strategy's `TfdistExtended` while in a replica context, else None."""
+    if tf.distribute.get_replica_context() is None:
+        return None
+    return extended_of(tf.distribute.get_strategy())

@@ -1,0 +1,146 @@
+"""The model-parallel runtime: DTensor variables by rule, batch-sharded inputs, one SPMD program per step."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import one_device_strategy
+from tensorflow.python.util import nest
+
+from tfdist._compat import variables as keras_variables
+from tfdist.placement import mesh as mesh_lib
+from tfdist.strategies import _extended
+from tfdist.strategies.model_parallel.variables import GatheredVariable
+from tfdist.strategies.model_parallel.variables import ShardedVariable
+from tfdist.strategies.model_parallel.variables import gather
+from tfdist.strategies.model_parallel.variables import layout_of
+from tfdist.strategies.model_parallel.variables import replicated
+from tfdist.strategies.model_parallel.variables import shard_value
+
+
+class DTensorBatches:
+    """Iterable over a dataset whose elements come out as batch-sharded DTensors.
+
+    `iter()` starts the dataset's iterator at once (a reshuffling dataset draws
+    its order then, as a tf.data iterator would), and each element is sharded
+    as it is drawn.
+    """
+
+    def __init__(self, dataset, extended):
+        self._dataset = dataset
+        self._extended = extended
+
+    def __iter__(self):
+        return map(self._extended.shard_batch, iter(self._dataset))
+
+    @property
+    def element_spec(self):
+        return self._dataset.element_spec
+
+
+class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDeviceExtended):
+    """Creates DTensor variables by rule and runs Keras steps as one SPMD program.
+
+    Args:
+        container_strategy: the ModelParallelStrategy.
+        mesh: the DTensor mesh every variable and batch is laid out on.
+        rules: the `LayoutRules` that give each variable path its layout.
+        batch_axis: the mesh axis batches are split over, or None.
+    """
+
+    def __init__(self, container_strategy, *, mesh, rules, batch_axis):
+        super().__init__(container_strategy, mesh.local_devices()[0])
+        self.mesh = mesh
+        self.rules = rules
+        self.batch_axis = batch_axis
+        self._axes = mesh_lib.mesh_axes(mesh)
+
+    # ------------------------------------------------------------------ variables
+    def layout_for(self, path, shape):
+        """The layout of a variable, and whether it is gathered for use."""
+        spec, rule = self.rules.resolve(path, shape, self._axes)
+        return layout_of(spec, self.mesh), bool(rule is not None and rule.gather)
+
+    def _create_variable(self, next_creator, **kwargs):
+        colocate_with = kwargs.pop("colocate_with", None)
+        for unused in ("distribute_strategy", "layout", "use_resource", "shape"):
+            kwargs.pop(unused, None)
+        init = kwargs.pop("initial_value")
+        with tf.init_scope():
+            if callable(init):
+                init = init()
+            init = tf.convert_to_tensor(init, dtype=kwargs.get("dtype"))
+            if dtensor.is_dtensor(init):
+                init = gather(init)
+            shape = tuple(init.shape)
+            gathered = False
+            if isinstance(colocate_with, dtensor.DVariable) and tuple(colocate_with.shape) == shape:
+                layout = colocate_with.layout  # an optimizer slot follows its variable
+            elif colocate_with is not None:
+                layout = replicated(self.mesh, len(shape))
+            else:
+                path = keras_variables.variable_path(kwargs.get("name") or "variable")
+                layout, gathered = self.layout_for(path, shape)
+            cls = GatheredVariable if gathered else ShardedVariable
+            return cls(shard_value(init, layout), **kwargs)
+
+    def _validate_colocate_with_variable(self, colocate_with_variable):
+        del colocate_with_variable  # any variable; its layout is reused when shapes agree
+
+    # ------------------------------------------------------------------ inputs
+    def shard_batch(self, structure):
+        """Packs each tensor of `structure` into a DTensor split on the batch axis (scalars replicated)."""
+        parts = self._axes.get(self.batch_axis, 1) if self.batch_axis else 1
+
+        def one(value):
+            if value is None or (isinstance(value, tf.Tensor) and dtensor.is_dtensor(value)):
+                return value
+            value = tf.convert_to_tensor(value)
+            rank = value.shape.rank
+            if not rank or self.batch_axis is None:
+                return shard_value(value, replicated(self.mesh, rank or 0))
+            if value.shape[0] % parts:
+                raise ValueError(
+                    f"A batch of {value.shape[0]} examples cannot be split over mesh axis "
+                    f"{self.batch_axis!r} of size {parts}. Use a batch size divisible by {parts} "
+                    "(for the last batch of a dataset: `dataset.batch(n, drop_remainder=True)`, or a "
+                    f"number of examples divisible by the batch size)."
+                )
+            layout = dtensor.Layout.batch_sharded(self.mesh, self.batch_axis, rank)
+            return shard_value(value, layout)
+
+        return nest.map_structure(one, structure)
+
+    _tfdist_shard_batch = shard_batch  # the *_on_batch hook shards host inputs with it
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        del options
+        return DTensorBatches(dataset, self)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        del options
+        return DTensorBatches(dataset_fn(tf.distribute.InputContext()), self)
+
+    # ------------------------------------------------------------------ execution
+    def _call_for_each_replica(self, fn, args, kwargs):
+        if tf.executing_eagerly():  # inside a traced step, inputs are DTensors already
+            args = self.shard_batch(args)
+            kwargs = self.shard_batch(kwargs or {})
+        with one_device_strategy._OneDeviceReplicaContext(self._container_strategy()):
+            outputs = fn(*args, **(kwargs or {}))
+
+        def readable(value):  # Keras reads step outputs on the host
+            if isinstance(value, tf.Tensor) and value.shape.rank:
+                return dtensor.relayout(value, replicated(self.mesh, value.shape.rank))
+            return value
+
+        return nest.map_structure(readable, outputs)
+
+    def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
+        del colocate_with
+        with distribute_lib.UpdateContext(self._device):
+            result = fn(*args, **kwargs)
+            return result if group else nest.map_structure(self._local_results, result)
+
+

@@ -1,0 +1,112 @@
+"""DTensor variables that Keras' host-side code can read and write, and host values packed into DTensors."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfdist.placement import mesh as mesh_lib
+
+
+def replicated(mesh, rank):
+    """The fully replicated layout of rank `rank` on `mesh`."""
+    return dtensor.Layout.replicated(mesh, rank)
+
+
+def layout_of(spec, mesh):
+    """The DTensor layout of a sharding spec (a mesh axis name or None per dimension)."""
+    return dtensor.Layout([dtensor.UNSHARDED if a is None else a for a in spec], mesh)
+
+
+def spec_of(layout) -> tuple:
+    """The sharding spec of a DTensor layout (None for an unsharded dimension)."""
+    return tuple(None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs)
+
+
+def shard_value(value, layout):
+    """Packs a host (non-DTensor) value into a DTensor with `layout`, slicing on the host.
+
+    Each device receives only its own shard; nothing is replicated first.
+    """
+    value = tf.convert_to_tensor(value)
+    mesh = layout.mesh
+    specs = layout.sharding_specs
+    if all(s == dtensor.UNSHARDED for s in specs):
+        return dtensor.pack([value] * mesh.num_local_devices(), layout)
+    sizes = mesh_lib.mesh_axes(mesh)
+    components = []
+    for location in mesh.local_device_locations():
+        index = []
+        for dim, axis in enumerate(specs):
+            if axis == dtensor.UNSHARDED:
+                index.append(slice(None))
+            else:
+                step = value.shape[dim] // sizes[axis]
+                index.append(slice(location[axis] * step, (location[axis] + 1) * step))
+        components.append(value[tuple(index)])
+    return dtensor.pack(components, layout)
+
+
+def gather(value):
+    """A DTensor as one host tensor (all shards joined)."""
+    layout = dtensor.fetch_layout(value)
+    if not layout.is_fully_replicated():
+        value = dtensor.relayout(value, replicated(layout.mesh, layout.rank))
+    return dtensor.unpack(value)[0]
+
+
+class ShardedVariable(dtensor.DVariable):
+    """A DVariable that Keras' host-side code can read and write.
+
+    `numpy()` / `np.asarray()` gather the shards; an eager `assign` of a host
+    value (numpy, a plain tensor, a DTensor of another layout) re-shards it into
+    this variable's layout. That is what `get_weights` / `set_weights`,
+    `save_weights` / `load_weights` and `.keras` save / load need, and what makes
+    a checkpoint saved on one mesh load onto another. Inside a traced step the
+    variable behaves as a plain DVariable.
+    """
+
+    def numpy(self):
+        return gather(self.read_value()).numpy()
+
+    def __array__(self, dtype=None, copy=None):
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype)
+
+    def _as_layout(self, value):
+        if not tf.executing_eagerly():
+            return value
+        if isinstance(value, tf.Variable):
+            value = value.read_value()
+        value = tf.convert_to_tensor(value, dtype=self.dtype)
+        if dtensor.is_dtensor(value):
+            if dtensor.fetch_layout(value) == self.layout:
+                return value
+            value = gather(value)
+        return shard_value(value, self.layout)
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        return super().assign(self._as_layout(value), use_locking, name, read_value)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        return super().assign_add(self._as_layout(delta), use_locking, name, read_value)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        return super().assign_sub(self._as_layout(delta), use_locking, name, read_value)
+
+
+class GatheredVariable(ShardedVariable):
+    """A ShardedVariable stored split but read whole inside traced steps (FSDP-style).
+
+    For ops that DTensor runs only on a replicated operand (a convolution's
+    filter): each read in a traced step all-gathers the shards; the gradient
+    flows back to the split layout, so optimizer slots and updates stay split.
+    """
+
+    def _read_variable_op(self, no_copy=False):
+        value = super()._read_variable_op(no_copy)
+        if tf.executing_eagerly() or self.layout.is_fully_replicated():
+            return value
+        return dtensor.relayout(value, replicated(self.layout.mesh, self.layout.rank))
+
+
