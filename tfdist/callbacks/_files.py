@@ -33,6 +33,8 @@ import zipfile
 
 import numpy as np
 
+from tfdist import _validate
+
 _META = "__meta__"
 FORMAT = "tfdist-checkpoint-1"
 
@@ -192,39 +194,34 @@ def remove_stale_temps(directory: str, *, ending: str = ".npz") -> None:
 
 
 # ------------------------------------------------------------------ reading and validating
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _is_shape(value) -> bool:
-    return isinstance(value, list) and all(_is_int(d) and d >= 0 for d in value)
+    return isinstance(value, list) and all(_validate.is_integer(d) and d >= 0 for d in value)
 
 
 # The metadata keys a reader relies on: what each must be when present.
 _META_SCHEMA = {
     "format": (lambda v: v == FORMAT, f"{FORMAT!r}"),
-    "step": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "step": (lambda v: _validate.is_integer(v) and v >= 0, "an integer >= 0"),
     "paths": (lambda v: isinstance(v, list) and all(isinstance(p, str) for p in v), "a list of strings"),
     "shapes": (lambda v: isinstance(v, list) and all(_is_shape(s) for s in v), "a list of shapes (integer lists)"),
     "dtypes": (lambda v: isinstance(v, list) and all(isinstance(d, str) for d in v), "a list of dtype names"),
-    "epoch": (lambda v: v is None or (_is_int(v) and v >= 0), "an integer >= 0 or null"),
-    "batch": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "epoch": (lambda v: v is None or (_validate.is_integer(v) and v >= 0), "an integer >= 0 or null"),
+    "batch": (lambda v: _validate.is_integer(v) and v >= 0, "an integer >= 0"),
     "logs": (
-        lambda v: isinstance(v, dict) and all(_is_number(x) for x in v.values()),
+        lambda v: isinstance(v, dict) and all(_validate.is_number(x) for x in v.values()),
         "an object of numbers",
     ),
     "include_optimizer": (lambda v: isinstance(v, bool), "true or false"),
     "monitor": (lambda v: v is None or isinstance(v, str), "a string or null"),
-    "monitor_value": (lambda v: v is None or _is_number(v), "a number or null"),
+    "monitor_value": (lambda v: v is None or _validate.is_number(v), "a number or null"),
     "metrics": (lambda v: v is None or (isinstance(v, list) and all(isinstance(m, list) for m in v)), "lists"),
     "iterator": (
         lambda v: (
             v is None
-            or (isinstance(v, dict) and all(_is_int(v.get(k)) and v[k] >= 0 for k in ("ordinal", "drawn", "created")))
+            or (
+                isinstance(v, dict)
+                and all(_validate.is_integer(v.get(k), minimum=0) for k in ("ordinal", "drawn", "created"))
+            )
         ),
         "null or an object of integers ordinal, drawn, created",
     ),
@@ -376,9 +373,7 @@ def newest_valid(directory: str, prefix: str, *, max_step: int | None = None, re
 def check_writable_dir(name: str, directory) -> str:
     """Validates a checkpoint directory argument: a path that is (or can become) a writable directory."""
     if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
-        raise ValueError(
-            f"Invalid value for argument `{name}`. Received: {name}={directory!r}. Expected a directory path."
-        )
+        raise _validate.invalid(name, directory, "a directory path")
     directory = os.fspath(directory)
     existing = directory
     while not os.path.exists(existing):
@@ -387,14 +382,10 @@ def check_writable_dir(name: str, directory) -> str:
             break
         existing = parent
     if os.path.exists(existing) and not os.path.isdir(existing):
-        raise ValueError(
-            f"Invalid value for argument `{name}`: {existing!r} is a file, not a directory "
-            f"({name}={directory!r}). Pass a directory path."
-        )
+        raise _validate.invalid(name, directory, "a directory path", problem=f"{existing!r} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"Invalid value for argument `{name}`: directory {existing!r} is not writable by this process "
-            f"({name}={directory!r}). Pass a writable directory."
+        raise _validate.invalid(
+            name, directory, "a writable directory", problem=f"directory {existing!r} is not writable by this process"
         )
     return directory
 

@@ -178,14 +178,11 @@ class Checkpoint(keras.callbacks.Callback):
         if every_n_steps is None and every_n_epochs is None:
             raise ValueError("`every_n_steps` and `every_n_epochs` are both None: pass at least one of them.")
         _validate.integer("keep", keep)
-        if mode not in _MODES:
-            raise ValueError(f"Invalid value for argument `mode`. Received: mode={mode!r}. Expected one of {_MODES}.")
+        _validate.one_of("mode", mode, _MODES)
         if monitor is not None and (not isinstance(monitor, str) or not monitor):
-            raise ValueError(
-                f"Invalid value for argument `monitor`. Received: monitor={monitor!r}. Expected a logs key or None."
-            )
+            raise _validate.invalid("monitor", monitor, "a logs key or None")
         if not isinstance(prefix, str) or not prefix or os.sep in prefix:
-            raise ValueError(f"Invalid value for argument `prefix`. Received: prefix={prefix!r}. Expected a file name.")
+            raise _validate.invalid("prefix", prefix, "a file name")
         self.directory = _files.check_writable_dir("directory", directory)
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
@@ -361,20 +358,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         super().__init__()
         if not backup_dir:
             raise ValueError("Empty `backup_dir` argument passed")
-        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
-            raise ValueError(
-                f"Invalid value for argument `save_freq`. Received: save_freq={save_freq!r}. "
-                "Expected either 'epoch' or a positive integer value."
-            )
-        if (
-            isinstance(preemption_check_steps, bool)
-            or not isinstance(preemption_check_steps, int)
-            or preemption_check_steps < 1
-        ):
-            raise ValueError(
-                "Invalid value for argument `preemption_check_steps`. Received: "
-                f"preemption_check_steps={preemption_check_steps!r}. Expected a positive integer."
-            )
+        if save_freq != "epoch" and not _validate.is_integer(save_freq, minimum=1):
+            raise _validate.invalid("save_freq", save_freq, "either 'epoch' or a positive integer value")
+        if not _validate.is_integer(preemption_check_steps, minimum=1):
+            raise _validate.invalid("preemption_check_steps", preemption_check_steps, "a positive integer")
         _compat.install("callbacks")
         self.backup_dir = _files.check_writable_dir("backup_dir", backup_dir)
         self.save_freq = save_freq

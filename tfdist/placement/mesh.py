@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from tensorflow.experimental import dtensor
 
+from tfdist import _validate
 from tfdist import devices as devices_lib
 
 
@@ -29,7 +30,7 @@ def validate_axes(axes: Mapping[str, int]) -> dict[str, int]:
                 f"Invalid mesh axis name {name!r} in mesh {dict(axes)!r}. "
                 'Axis names are identifiers such as "batch" or "model".'
             )
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        if not _validate.is_integer(size, minimum=1):
             raise ValueError(
                 f"Invalid size for mesh axis {name!r}: {size!r} (mesh {dict(axes)!r}). Expected an integer >= 1."
             )

@@ -214,9 +214,11 @@ class StageRules:
     def __init__(self, placement: Mapping[str, int], stages: int):
         stages = _validate.integer("stages", stages)
         if not isinstance(placement, Mapping) or not placement:
-            raise ValueError(
-                f"Invalid value for argument `placement`. Received: placement={placement!r}. Expected 'auto' "
-                "or a non-empty dict mapping a layer-name regex to a stage, e.g. {'dense_[0-2]': 0, 'dense_[3-5]': 1}."
+            raise _validate.invalid(
+                "placement",
+                placement,
+                "'auto' or a non-empty dict mapping a layer-name regex to a stage, e.g. "
+                "{'dense_[0-2]': 0, 'dense_[3-5]': 1}",
             )
         rules = []
         for pattern, stage in placement.items():
@@ -224,7 +226,7 @@ class StageRules:
                 compiled = re.compile(pattern)
             except (re.error, TypeError) as e:
                 raise ValueError(f"Placement rule {pattern!r} is not a valid regular expression: {e}.") from e
-            if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < stages:
+            if not _validate.is_integer(stage, minimum=0, maximum=stages - 1):
                 raise ValueError(
                     f"Placement rule {pattern!r} -> {stage!r}: the stage must be an integer in [0, {stages}) "
                     f"for stages={stages}."

@@ -308,10 +308,7 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         if cluster is None:
             cluster = cluster_lib.resolve()
         elif not isinstance(cluster, cluster_lib.Cluster):
-            raise ValueError(
-                f"Invalid value for argument `cluster`. Received: cluster={cluster!r}. Expected a "
-                "tfdist.cluster.Cluster (see tfdist.cluster.resolve) or None."
-            )
+            raise _validate.invalid("cluster", cluster, "a tfdist.cluster.Cluster (see tfdist.cluster.resolve) or None")
         _compat.install("multi_worker")
         self._cluster = cluster
         self._communication = communication

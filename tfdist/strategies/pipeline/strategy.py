@@ -118,9 +118,10 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
         replicas = _validate.integer("replicas", replicas)
         _validate.one_of("cost", cost, pipeline_lib.COSTS)
         if isinstance(placement, str) and placement != "auto" or not isinstance(placement, (str, Mapping)):
-            raise ValueError(
-                f"Invalid value for argument `placement`. Received: placement={placement!r}. Expected 'auto' or "
-                "a dict mapping a layer-name regex to a stage, e.g. {'dense_[0-2]': 0, 'dense_[3-5]': 1}."
+            raise _validate.invalid(
+                "placement",
+                placement,
+                "'auto' or a dict mapping a layer-name regex to a stage, e.g. {'dense_[0-2]': 0, 'dense_[3-5]': 1}",
             )
         rules = None if isinstance(placement, str) else pipeline_lib.StageRules(placement, stages)
         needed = stages * replicas
@@ -134,9 +135,10 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
             devices = available[:needed]
         else:
             if isinstance(devices, str) or len(list(devices)) != needed:
-                raise ValueError(
-                    f"Invalid value for argument `devices`. Received: devices={devices!r}. Expected a list of "
-                    f"stages x replicas = {stages} x {replicas} = {needed} device names (replica-major)."
+                raise _validate.invalid(
+                    "devices",
+                    devices,
+                    f"a list of stages x replicas = {stages} x {replicas} = {needed} device names (replica-major)",
                 )
             devices = devices_lib.device_list(devices)
         _mirrored.validate_communication(communication, devices)
