@@ -20,3 +20,12 @@ TEST_DEVICES = tfdist.simulate_devices(NUM_TEST_DEVICES)
 @pytest.fixture
 def python_subprocess():
     return _procs.run_python
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """Processes started by a test (each in its own session); every one still running is killed at teardown."""
+    p = _procs.Procs(tmp_path)
+    yield p
+    p.kill_all()
+

@@ -20,13 +20,6 @@ WORKER = os.path.join(_procs.REPO, "tests", "_cb_worker.py")
 ATOL = 1e-5  # the bar for SGD; measured differences are ~6e-7
 
 
-@pytest.fixture
-def procs(tmp_path):
-    p = _procs.Procs(tmp_path)
-    yield p
-    p.kill_all()
-
-
 def _start(procs, out, mode, addresses=None, index=0, **opts):
     env = _procs.clean_env()
     if addresses is not None:

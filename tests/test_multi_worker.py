@@ -19,13 +19,6 @@ from tfdist import _compat
 ATOL = 1e-6
 
 
-@pytest.fixture
-def procs(tmp_path):
-    p = _procs.Procs(tmp_path)
-    yield p
-    p.kill_all()
-
-
 # Worker options of each reference run: dataset size, and Keras features used with the strategy.
 CONFIGS = {
     "n20": {"n": 20},

@@ -11,19 +11,11 @@ import sys
 import time
 
 import _procs
-import pytest
 
 # The launcher's grace before SIGKILL is far longer than the bound: ending in time means the
 # workers ended on SIGTERM itself.
 GRACE = 60
 BOUND = 5.0
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = _procs.Procs(tmp_path)
-    yield p
-    p.kill_all()
 
 
 def _launch(procs, tmp_path, *command):

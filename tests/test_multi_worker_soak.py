@@ -13,7 +13,6 @@ import os
 import sys
 
 import _procs
-import pytest
 
 from tfdist import cluster as cluster_lib
 
@@ -24,13 +23,6 @@ STEPS = 3000
 # all-reduce; a tfdist `fit` step runs several collectives: 0.75 MiB per 100 steps). The leak this
 # test guards against grew 5.6 MiB per 100 steps.
 MAX_RSS_MIB_PER_100_STEPS = 1.5
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = _procs.Procs(tmp_path)
-    yield p
-    p.kill_all()
 
 
 def _run(procs, tmp_path, steps, epochs, *extra):
