@@ -47,7 +47,12 @@ def test_tiny_model_stays_on_one_device():
     assert advice.all_reduce_time > advice.parallel_compute_time / 4
     assert advice.gradient_bytes == advice.parameter_bytes == (8 * 8 + 8 + 8 * 10 + 10) * 4
     report = str(advice)
-    assert "Recommendation: one device" in report and "communication would dominate" in report
+    assert "Recommendation: one device" in report and "not worth distributing" in report
+    # The report names the cause it measured: communication when the all-reduce took at least as long as
+    # the parallel compute (on a loaded host the compute share can grow past it; the rule itself is
+    # checked on fixed measurements in test_recommend_data_parallel_or_one_device_when_the_model_fits).
+    dominated = advice.all_reduce_time >= advice.parallel_compute_time
+    assert ("communication would dominate" in report) == dominated, report
     for a, b in zip(before, model.get_weights()):  # the user's model is left alone
         np.testing.assert_array_equal(a, b)
 
