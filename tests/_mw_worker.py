@@ -57,7 +57,11 @@ keras.utils.set_random_seed(1)
 with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
     model.compile(
-        optimizer=keras.optimizers.SGD(0.05, global_clipnorm=float(OPTS["clip"]) if "clip" in OPTS else None),
+        optimizer=keras.optimizers.SGD(
+            0.05,
+            global_clipnorm=float(OPTS["clip"]) if "clip" in OPTS else None,
+            gradient_accumulation_steps=int(OPTS["accum"]) if "accum" in OPTS else None,
+        ),
         loss="mse",
         metrics=["mae"],
         steps_per_execution=int(OPTS.get("spe", 1)),

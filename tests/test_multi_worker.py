@@ -24,6 +24,8 @@ CONFIGS = {
     "n20": {"n": 20},
     "n23": {"n": 23},
     "features": {"n": 23, "spe": 2, "clip": 0.5, "val": 1},  # steps_per_execution, clipnorm, validation
+    # gradient accumulation over 3 steps (each worker accumulates locally, all-reduces on the update step)
+    "accumulate": {"n": 23, "accum": 3, "clip": 0.5},
 }
 
 
@@ -53,6 +55,7 @@ def _weights(result):
         (3, "n20", ""),  # 6,6,6,2: the last step splits 1/1/0 (one worker has no example)
         (2, "n23", "1"),  # an in-memory tf.data pipeline batched by the global batch
         (2, "features", ""),
+        (2, "accumulate", ""),
     ],
 )
 def test_fit_evaluate_predict_match_single_process(procs, references, tmp_path, num_workers, config, tfdata):

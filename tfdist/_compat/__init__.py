@@ -6,7 +6,7 @@ replaces, the source it checks (its probe) and the features that need it.
 
 | feature          | needed by                      | hooks                                                  |
 |------------------|--------------------------------|--------------------------------------------------------|
-| "data_parallel"  | DataParallelStrategy           | loss_scaling, optimizer, trainer (build, steps), mirrored |
+| "data_parallel"  | DataParallelStrategy           | loss_scaling, optimizer, lazy_build, trainer (build, steps), mirrored |
 | "multi_worker"   | MultiWorkerStrategy            | data_parallel's + trainer (step outputs), step_deadline |
 | "model_parallel" | ModelParallelStrategy          | trainer (build, *_on_batch), variables, dtensor        |
 | "pipeline"       | PipelineStrategy               | data_parallel's + variables, layer_call, gradients, ... |
@@ -38,6 +38,7 @@ from tfdist._compat import dtensor
 from tfdist._compat import epoch_iterator
 from tfdist._compat import gradients
 from tfdist._compat import layer_call
+from tfdist._compat import lazy_build
 from tfdist._compat import loss_scaling
 from tfdist._compat import mirrored
 from tfdist._compat import optimizer
@@ -56,6 +57,7 @@ FEATURES = ("data_parallel", "multi_worker", "model_parallel", "pipeline", "call
 HOOKS: tuple[Hook, ...] = (
     *loss_scaling.HOOKS,
     *optimizer.HOOKS,
+    *lazy_build.HOOKS,
     *trainer.HOOKS,
     *mirrored.HOOKS,
     *step_deadline.HOOKS,

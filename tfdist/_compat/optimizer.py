@@ -19,19 +19,41 @@ from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from tensorflow.python.distribute import merge_call_interim
 
 from tfdist._compat._hook import EXACT
+from tfdist._compat import lazy_build
 from tfdist._compat._hook import hook
 from tfdist.strategies import _extended
 
 _original_apply = keras_base_optimizer.BaseOptimizer.apply
+_original_clip_gradients = keras_base_optimizer.BaseOptimizer._clip_gradients
+_original_all_reduce_sum_gradients = keras_tf_optimizer.TFOptimizer._all_reduce_sum_gradients
 _loss_scale_optimizer = keras.optimizers.LossScaleOptimizer
 _original_loss_scale_apply = _loss_scale_optimizer.apply
 
 
 def _apply(self, grads, trainable_variables=None):
+    lazy_build.build_optimizer(self, trainable_variables)
     extended = _extended.in_replica()
     if extended is None:
         return _original_apply(self, grads, trainable_variables)
-    return extended._tfdist_apply_gradients(grads, lambda g: _original_apply(self, g, trainable_variables))
+    return extended._tfdist_apply_gradients(
+        grads,
+        lambda g: _original_apply(self, g, trainable_variables),
+        accumulates=bool(self.gradient_accumulation_steps),
+    )
+
+
+def _clip_gradients(self, grads):
+    extended = _extended.in_replica()
+    if extended is not None:
+        grads = extended._tfdist_reduce_for_update(grads)
+    return _original_clip_gradients(self, grads)
+
+
+def _all_reduce_sum_gradients(self, grads_and_vars):
+    extended = _extended.in_replica()
+    if extended is not None and extended._tfdist_gradients_reduced():
+        return list(grads_and_vars)
+    return _original_all_reduce_sum_gradients(self, grads_and_vars)
 
 
 def _loss_scale_apply(self, grads, trainable_variables=None):
@@ -73,6 +95,26 @@ HOOKS = (
         "optimizer_all_reduce",
         keras_tf_optimizer.TFOptimizer._backend_update_step,
         ("_all_reduce_sum_gradients", "maybe_merge_call"),
+        *EXACT,
+    ),
+    hook(
+        "optimizer_clip",
+        _original_clip_gradients,
+        ("def _clip_gradients(self, grads):", "clip_by_global_norm(grads"),
+        *EXACT,
+        patch=(keras_base_optimizer.BaseOptimizer, "_clip_gradients", _clip_gradients),
+    ),
+    hook(
+        "optimizer_all_reduce_sum",
+        _original_all_reduce_sum_gradients,
+        ("tf.distribute.get_replica_context().all_reduce(", "tf.distribute.ReduceOp.SUM"),
+        *EXACT,
+        patch=(keras_tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum_gradients),
+    ),
+    hook(
+        "optimizer_accumulate_locally",
+        keras_tf_optimizer.TFOptimizer._backend_increment_gradient_accumulators,
+        ("distribution.extended.update(", "maybe_merge_call("),
         *EXACT,
     ),
     hook("optimizer_merge_call", merge_call_interim.strategy_supports_no_merge_call, ("_use_merge_call()",), *EXACT),

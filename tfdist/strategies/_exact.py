@@ -147,10 +147,16 @@ class ExactReplicas(_extended.TfdistExtended):
     def _tfdist_replica_share(self):
         return current_example_share()
 
-    def _tfdist_apply_gradients(self, grads, apply):
+    def _tfdist_apply_gradients(self, grads, apply, *, accumulates=False):
         grads = self._tfdist_accumulate_microbatch(list(grads))
         if grads is None:
             return None
+        if accumulates and self._num_replicas_in_sync > 1:
+            # Each replica adds its own gradient to its accumulators (tf.distribute's contract: the
+            # accumulated gradients are summed over replicas when applied), and all-reduces only on the
+            # update step, before Keras clips (`_tfdist_reduce_for_update`).
+            with self._tfdist_replica_apply():
+                return apply(grads)
         if self._num_replicas_in_sync > 1:
             present = [i for i, g in enumerate(grads) if g is not None]
             reduced = self._tfdist_all_reduce_gradients([grads[i] for i in present])
@@ -180,7 +186,24 @@ class ExactReplicas(_extended.TfdistExtended):
         reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sent)
         return [r if r.dtype == g.dtype else tf.cast(r, g.dtype) for r, g in zip(reduced, grads)]
 
-    # ---------------------------------------------------------------- cross-replica apply
+    def _tfdist_build_eagerly(self, build):
+        """Runs `build` once, outside the traced function, in cross-replica context under this strategy.
+
+        A MirroredVariable created inside a traced step initializes its other replicas from the primary
+        inside the graph, which fails at run time; created eagerly it is like any variable built up front.
+        """
+        strategy = self._container_strategy()
+
+        def eagerly(unused_strategy=None):
+            with tf.init_scope(), strategy.scope():
+                return build()
+
+        context = tf.distribute.get_replica_context()
+        if context is None:  # cross-replica context: inside `strategy.scope()`, outside `strategy.run`
+            return eagerly()
+        return context.merge_call(eagerly)
+
+    # ---------------------------------------------------------------- one apply per step
     @contextlib.contextmanager
     def _tfdist_cross_replica_apply(self):
         flags = self._tfdist_flags()
@@ -189,6 +212,33 @@ class ExactReplicas(_extended.TfdistExtended):
             yield
         finally:
             flags.applying = False
+
+    @contextlib.contextmanager
+    def _tfdist_replica_apply(self):
+        """Keras' apply run in each replica without merge_call; its update step all-reduces once."""
+        flags = self._tfdist_flags()
+        flags.local, flags.reduced = True, False
+        try:
+            with self._tfdist_cross_replica_apply():
+                yield
+        finally:
+            flags.local = flags.reduced = False
+
+    def _tfdist_reduce_for_update(self, grads):
+        """The gradients Keras is about to clip and apply: summed over replicas when accumulated locally."""
+        flags = self._tfdist_flags()
+        if not getattr(flags, "local", False) or flags.reduced:
+            return grads
+        flags.reduced = True
+        present = [i for i, g in enumerate(grads) if g is not None]
+        grads = list(grads)
+        for i, g in zip(present, self._tfdist_all_reduce_gradients([grads[i] for i in present])):
+            grads[i] = g
+        return grads
+
+    def _tfdist_gradients_reduced(self) -> bool:
+        """Whether this replica's gradients were already all-reduced for the running apply."""
+        return getattr(self._tfdist_flags(), "reduced", False)
 
     def _use_merge_call(self):
         if getattr(self._tfdist_flags(), "applying", False):

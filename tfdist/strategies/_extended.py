@@ -9,9 +9,12 @@ defaults keep Keras' own behaviour; each strategy overrides what it changes.
 |---------------------------------|----------------------------------------------|----------------------|
 | `_tfdist_replica_share()`       | Keras' loss (un)scaling                      | None: 1 / replicas   |
 | `_tfdist_apply_gradients()`     | `optimizer.apply` in replica context         | Keras' apply         |
+| `_tfdist_reduce_for_update()`   | Keras' clipping, in replica context         | the gradients as-is  |
+| `_tfdist_gradients_reduced()`   | Keras' all-reduce of the update step         | False: Keras reduces |
 | `_tfdist_accumulate_microbatch` | `LossScaleOptimizer.apply` in replica context | the gradients as-is  |
 | `_tfdist_check_global_batch()`  | the symbolic build (from the element spec)   | accept any batch     |
 | `_tfdist_shard_batch()`         | `train/test/predict_on_batch` host inputs    | the inputs as-is     |
+| `_tfdist_build_eagerly()`       | a layer / optimizer built inside a traced step | build in the graph |
 | `_tfdist_inline_steps`          | Keras' multi-step function                   | False: Keras' nesting |
 
 Two more are the strategies' own vocabulary, used by their runtimes and tools
@@ -55,13 +58,29 @@ class TfdistExtended:
         """Within a micro-batched step: None until the last micro-batch, then the sum; else `grads`."""
         return grads
 
-    def _tfdist_apply_gradients(self, grads, apply):
-        """Applies `grads` from replica context; `apply(grads)` is Keras' own (cross-replica safe) apply."""
+    def _tfdist_apply_gradients(self, grads, apply, *, accumulates=False):
+        """Applies `grads` from replica context; `apply(grads)` is Keras' own (cross-replica safe) apply.
+
+        `accumulates`: the optimizer has `gradient_accumulation_steps`.
+        """
+        del accumulates
         return apply(grads)
+
+    def _tfdist_reduce_for_update(self, grads):
+        """The gradients Keras' optimizer is about to clip and apply (replica context); default as they are."""
+        return grads
+
+    def _tfdist_gradients_reduced(self) -> bool:
+        """Whether Keras' own all-reduce of the update step is to be skipped (already done)."""
+        return False
 
     def _tfdist_check_global_batch(self, batch_size) -> None:
         """Raises ValueError when `fit`'s global `batch_size` (None: unknown) cannot be used."""
         del batch_size
+
+    def _tfdist_build_eagerly(self, build):
+        """Runs `build` (a layer's or optimizer's first build, met inside a traced step); returns its result."""
+        return build()
 
     def _tfdist_shard_batch(self, structure):
         """Host inputs of `train_on_batch` / `test_on_batch` / `predict_on_batch`, as the step takes them."""
