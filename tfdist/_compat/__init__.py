@@ -4,13 +4,13 @@ Each module covers one TensorFlow/Keras target and lists its `Hook`s: what it
 replaces, the source it checks (its probe) and the features that need it.
 `install(feature)` checks and applies exactly the hooks of one feature, once:
 
-| feature          | needed by                      | hooks                                                  |
-|------------------|--------------------------------|--------------------------------------------------------|
-| "data_parallel"  | DataParallelStrategy           | loss_scaling, optimizer, lazy_build, trainer (build, steps), mirrored |
-| "multi_worker"   | MultiWorkerStrategy            | data_parallel's + trainer (step outputs), step_deadline |
-| "model_parallel" | ModelParallelStrategy          | trainer (build, *_on_batch), variables, dtensor        |
-| "pipeline"       | PipelineStrategy               | data_parallel's + variables, layer_call, gradients, ... |
-| "callbacks"      | tfdist.callbacks.BackupAndRestore | epoch_iterator, callbacks                          |
+| feature          | needed by                         | hooks                                                  |
+|------------------|-----------------------------------|--------------------------------------------------------|
+| "data_parallel"  | DataParallelStrategy              | loss_scaling, optimizer, lazy_build, trainer, mirrored |
+| "multi_worker"   | MultiWorkerStrategy               | data_parallel's + trainer (step outputs), step_deadline |
+| "model_parallel" | ModelParallelStrategy             | trainer (build, *_on_batch), variables, dtensor        |
+| "pipeline"       | PipelineStrategy                  | data_parallel's + variables, layer_call, gradients, ... |
+| "callbacks"      | tfdist.callbacks.BackupAndRestore | epoch_iterator, callbacks                              |
 
 A hook acts only when the running strategy's `extended` is a
 `tfdist.strategies._extended.TfdistExtended` and asks it what to do (see that

@@ -18,8 +18,8 @@ from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
 from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from tensorflow.python.distribute import merge_call_interim
 
-from tfdist._compat._hook import EXACT
 from tfdist._compat import lazy_build
+from tfdist._compat._hook import EXACT
 from tfdist._compat._hook import hook
 from tfdist.strategies import _extended
 
