@@ -10,12 +10,16 @@ MirroredStrategy where that runs (built up front). Tolerances: weights 1e-5 abso
 relative (float32 sums in another order).
 """
 
+import sys
+
+import _procs
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfdist
+from tfdist import cluster as cluster_lib
 
 GLOBAL_BATCH = 16
 EXAMPLES = 64  # 4 steps an epoch
@@ -180,3 +184,35 @@ def test_a_custom_loop_over_uneven_splits_equals_one_device(loss_kind):
         losses = [float(step(batch)) for batch in dist]
         results.append((model, optimizer, losses, 0.0))
     assert_same_training(results[1], results[0])
+
+
+WORKER_LOOP = """
+import json, sys
+import numpy as np
+sys.path.insert(0, "tests")
+import tensorflow as tf
+import tfdist
+from test_custom_loops import train
+strategy = tfdist.MultiWorkerStrategy() if sys.argv[1] == "multi" else tf.distribute.get_strategy()
+model, optimizer, losses, _ = train(strategy, accumulate=2)
+np.savez(sys.argv[2], *[w.numpy() for w in model.weights], losses=np.array(losses),
+         iterations=np.array(int(optimizer.iterations.numpy())))
+"""
+
+
+def test_a_two_worker_custom_loop_with_lazy_builds_and_accumulation_equals_one_process(procs, tmp_path):
+    # The multi_worker_with_ctl shape: the dataset is sharded by data over the workers, each worker's
+    # replica gets half of every global batch; lazily built model and optimizer, accumulation over 2 steps.
+    addresses = _procs.workers(2)
+    outs = [tmp_path / f"w{i}.npz" for i in range(2)] + [tmp_path / "one.npz"]
+    for i in range(2):
+        tf_config = cluster_lib.Cluster(workers=addresses, task_index=i).to_tf_config()
+        procs.start([sys.executable, "-c", WORKER_LOOP, "multi", str(outs[i])], _procs.clean_env(TF_CONFIG=tf_config))
+    procs.start([sys.executable, "-c", WORKER_LOOP, "one", str(outs[2])], _procs.clean_env())
+    codes = procs.wait(timeout=240)
+    assert codes == [0, 0, 0], [procs.log(i)[-3000:] for i in range(3)]
+    workers, one = [dict(np.load(o)) for o in outs[:2]], dict(np.load(outs[2]))
+    assert int(one["iterations"]) == 4 and one["losses"][1] < one["losses"][0]
+    for result in workers:
+        for key in one:
+            np.testing.assert_allclose(result[key], one[key], atol=ATOL, rtol=RTOL, err_msg=key)
