@@ -7,7 +7,7 @@ replaces, the source it checks (its probe) and the features that need it.
 | feature          | needed by                      | hooks                                                  |
 |------------------|--------------------------------|--------------------------------------------------------|
 | "data_parallel"  | DataParallelStrategy           | loss_scaling, optimizer, trainer (build, steps), mirrored |
-| "multi_worker"   | MultiWorkerStrategy            | data_parallel's + trainer (step outputs), step_deadline |
+| "multi_worker"   | MultiWorkerStrategy     | data_parallel's + trainer (outputs), step_deadline, keras_callbacks |
 | "model_parallel" | ModelParallelStrategy          | trainer (build, *_on_batch), variables, dtensor        |
 | "pipeline"       | PipelineStrategy               | data_parallel's + variables, layer_call, gradients, ... |
 | "callbacks"      | tfdist.callbacks.BackupAndRestore | epoch_iterator, callbacks                          |
@@ -37,6 +37,7 @@ from tfdist._compat import callbacks
 from tfdist._compat import dtensor
 from tfdist._compat import epoch_iterator
 from tfdist._compat import gradients
+from tfdist._compat import keras_callbacks
 from tfdist._compat import layer_call
 from tfdist._compat import loss_scaling
 from tfdist._compat import mirrored
@@ -65,6 +66,7 @@ HOOKS: tuple[Hook, ...] = (
     *gradients.HOOKS,
     *epoch_iterator.HOOKS,
     *callbacks.HOOKS,
+    *keras_callbacks.HOOKS,
 )
 """The registry: every hook once. `install` and `check_hooks` read it when called."""
 
