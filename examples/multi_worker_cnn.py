@@ -52,7 +52,7 @@ with strategy.scope():
         metrics=["accuracy"],
     )
 
-# Keras' BackupAndRestore needs one directory per worker (a shared one fails with an HDF5 lock).
+# Keras' BackupAndRestore: a directory per worker, or one shared by all (tfdist has only the chief write it).
 backup = keras.callbacks.BackupAndRestore(os.path.join(args.out, f"backup-{rank}"))
 model.fit(train, epochs=args.epochs, callbacks=[backup], verbose=2 if rank == 0 else 0)
 np.savez(os.path.join(args.out, f"weights-{rank}.npz"), *model.get_weights())

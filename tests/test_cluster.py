@@ -167,6 +167,29 @@ def test_tf_config_errors(text, match):
         cluster.resolve(env={"TF_CONFIG": text})
 
 
+def _with_job(job):
+    return json.dumps({"cluster": {"worker": TWO, job: ["10.0.0.3:2222"]}, "task": {"type": "worker", "index": 0}})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [tf_config(task_type="ps"), tf_config(task_type="evaluator"), _with_job("ps"), _with_job("evaluator")],
+)
+def test_parameter_server_training_is_refused_naming_what_to_use(text):
+    # The parameter_server_training tutorial's TF_CONFIG: Keras 3 does not support it either.
+    with pytest.raises(ClusterError) as info:
+        cluster.resolve(env={"TF_CONFIG": text})
+    message = str(info.value)
+    assert "Parameter-server training (tasks 'ps', 'evaluator') is not supported, as in Keras 3 itself" in message
+    assert "make every task a 'worker' (at most one 'chief') and train with tfdist.MultiWorkerStrategy" in message
+
+
+def test_other_unknown_jobs_get_no_parameter_server_note():
+    with pytest.raises(ClusterError, match=r"unsupported job\(s\) \['trainer'\]") as info:
+        cluster.resolve(env={"TF_CONFIG": _with_job("trainer")})
+    assert "Parameter-server" not in str(info.value)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

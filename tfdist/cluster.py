@@ -27,12 +27,23 @@ DEFAULT_SLURM_PORT = 8476
 """Port of the first task on each Slurm node; the k-th task on a node uses this + k."""
 
 TASK_TYPES = ("chief", "worker")
+_NO_PARAMETER_SERVERS = (
+    "Parameter-server training (tasks 'ps', 'evaluator') is not supported, as in Keras 3 itself (keras#18624). "
+    "Instead make every task a 'worker' (at most one 'chief') and train with tfdist.MultiWorkerStrategy: "
+    "synchronous data parallelism on all workers; evaluate with fit(validation_data=...) or in a separate "
+    "single-process job."
+)
 
 JOIN_TIMEOUT_ENV = "TFDIST_JOIN_TIMEOUT"
 """Set by `tfdist-launch`: the default `join_timeout` of `tfdist.MultiWorkerStrategy`, in seconds."""
 
 
 ClusterError = errors.ClusterError
+
+
+def _parameter_server_note(jobs) -> str:
+    """What to use instead, when `jobs` name a parameter-server training task; else ''."""
+    return f" {_NO_PARAMETER_SERVERS}" if {"ps", "evaluator"} & set(jobs) else ""
 
 
 def _check_address(address, where: str) -> str:
@@ -90,8 +101,8 @@ class Cluster:
         object.__setattr__(self, "workers", tuple(self.workers))
         if self.task_type not in TASK_TYPES:
             raise ClusterError(
-                f"Invalid task type {self.task_type!r}. Expected one of {TASK_TYPES}; multi-worker "
-                "data parallelism has no parameter servers or evaluators."
+                f"Invalid task type {self.task_type!r}. Expected one of {TASK_TYPES}."
+                + _parameter_server_note([self.task_type])
             )
         for address in self.workers:
             _check_address(address, "the worker list")
@@ -198,6 +209,7 @@ def from_tf_config(text: str) -> Cluster:
     if unknown:
         raise ClusterError(
             f"TF_CONFIG has unsupported job(s) {unknown}: {text!r}. Expected only {TASK_TYPES}."
+            + _parameter_server_note(unknown)
         )
     chiefs = cluster.get("chief") or []
     if not isinstance(chiefs, list) or len(chiefs) > 1:

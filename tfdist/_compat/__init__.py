@@ -4,13 +4,13 @@ Each module covers one TensorFlow/Keras target and lists its `Hook`s: what it
 replaces, the source it checks (its probe) and the features that need it.
 `install(feature)` checks and applies exactly the hooks of one feature, once:
 
-| feature          | needed by                         | hooks                                                  |
-|------------------|-----------------------------------|--------------------------------------------------------|
-| "data_parallel"  | DataParallelStrategy              | loss_scaling, optimizer, lazy_build, trainer, mirrored |
-| "multi_worker"   | MultiWorkerStrategy               | data_parallel's + trainer (step outputs), step_deadline |
-| "model_parallel" | ModelParallelStrategy             | trainer (build, *_on_batch), variables, dtensor        |
-| "pipeline"       | PipelineStrategy                  | data_parallel's + variables, layer_call, gradients, ... |
-| "callbacks"      | tfdist.callbacks.BackupAndRestore | epoch_iterator, callbacks                              |
+| feature          | needed by                         | hooks                                                    |
+|------------------|-----------------------------------|----------------------------------------------------------|
+| "data_parallel"  | DataParallelStrategy              | loss_scaling, optimizer, lazy_build, trainer, mirrored   |
+| "multi_worker"   | MultiWorkerStrategy               | data_parallel's + trainer, step_deadline, keras_callbacks |
+| "model_parallel" | ModelParallelStrategy             | trainer (build, *_on_batch), variables, dtensor          |
+| "pipeline"       | PipelineStrategy                  | data_parallel's + variables, layer_call, gradients, ...  |
+| "callbacks"      | tfdist.callbacks.BackupAndRestore | epoch_iterator, callbacks                                |
 
 A hook acts only when the running strategy's `extended` is a
 `tfdist.strategies._extended.TfdistExtended` and asks it what to do (see that
@@ -37,6 +37,7 @@ from tfdist._compat import callbacks
 from tfdist._compat import dtensor
 from tfdist._compat import epoch_iterator
 from tfdist._compat import gradients
+from tfdist._compat import keras_callbacks
 from tfdist._compat import layer_call
 from tfdist._compat import lazy_build
 from tfdist._compat import loss_scaling
@@ -67,6 +68,7 @@ HOOKS: tuple[Hook, ...] = (
     *gradients.HOOKS,
     *epoch_iterator.HOOKS,
     *callbacks.HOOKS,
+    *keras_callbacks.HOOKS,
 )
 """The registry: every hook once. `install` and `check_hooks` read it when called."""
 
