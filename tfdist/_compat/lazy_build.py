@@ -114,5 +114,5 @@ HOOKS = (
         ("if not self.built:", "self.build(trainable_variables)", "self.built = True"),
         *EXACT,
     ),
-    hook("keras_name_scope_stack", keras.src.backend.common.name_scope.current_path, (_NAME_SCOPE_STACK,), *EXACT),
+    hook("lazy_build_name_scope", keras.src.backend.common.name_scope.current_path, (_NAME_SCOPE_STACK,), *EXACT),
 )
