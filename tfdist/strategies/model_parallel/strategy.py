@@ -78,7 +78,9 @@ class ModelParallelStrategy(distribute_lib.Strategy):
 
     Raises:
         ValueError: for a bad mesh, a mesh whose size differs from the device
-            count, a rule naming an axis the mesh lacks, or a `batch_axis`
+            count, a rule naming an axis the mesh lacks or a layer's output
+            (an activation layout such as "d2/output": rules place weights;
+            activations follow them and the batch axis), or a `batch_axis`
             (other than the default) that the mesh lacks.
         RuntimeError: if DTensor's all-reduce combining pass is enabled
             (`DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION` other than "0"),
