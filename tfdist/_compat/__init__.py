@@ -8,13 +8,15 @@ replaces, the source it checks (its probe) and the features that need it.
 |------------------|--------------------------------|--------------------------------------------------------|
 | "data_parallel"  | DataParallelStrategy           | loss_scaling, optimizer, trainer (build, steps), mirrored |
 | "multi_worker"   | MultiWorkerStrategy            | data_parallel's + trainer (step outputs), step_deadline |
-| "model_parallel" | ModelParallelStrategy          | trainer (build, *_on_batch), variables, dtensor        |
+| "model_parallel" | ModelParallelStrategy | trainer (build, *_on_batch), variables, dtensor, optimizer, layer_call |
 | "pipeline"       | PipelineStrategy               | data_parallel's + variables, layer_call, gradients, ... |
 | "callbacks"      | tfdist.callbacks.BackupAndRestore | epoch_iterator, callbacks                          |
 
-A hook acts only when the running strategy's `extended` is a
-`tfdist.strategies._extended.TfdistExtended` and asks it what to do (see that
-module); under any other strategy Keras keeps its behaviour. A probe that no
+A hook acts only when the running strategy's `extended` (for a model call, or an
+optimizer step outside a replica context: the strategy the model or optimizer
+was created under) is a `tfdist.strategies._extended.TfdistExtended` and asks
+it what to do (see that module); under any other strategy Keras keeps its
+behaviour. A probe that no
 longer matches raises `tfdist.CompatError` naming the hook, at install time.
 
 Example:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.python.distribute import distribute_lib
@@ -91,26 +94,24 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
     # ------------------------------------------------------------------ inputs
     def shard_batch(self, structure):
         """Packs each tensor of `structure` into a DTensor split on the batch axis (scalars replicated)."""
-        parts = self._axes.get(self.batch_axis, 1) if self.batch_axis else 1
+        return nest.map_structure(self._shard, structure)
 
-        def one(value):
-            if value is None or (isinstance(value, tf.Tensor) and dtensor.is_dtensor(value)):
-                return value
-            value = tf.convert_to_tensor(value)
-            rank = value.shape.rank
-            if not rank or self.batch_axis is None:
-                return shard_value(value, replicated(self.mesh, rank or 0))
-            if value.shape[0] % parts:
-                raise ValueError(
-                    f"A batch of {value.shape[0]} examples cannot be split over mesh axis "
-                    f"{self.batch_axis!r} of size {parts}. Use a batch size divisible by {parts} "
-                    "(for the last batch of a dataset: `dataset.batch(n, drop_remainder=True)`, or a "
-                    f"number of examples divisible by the batch size)."
-                )
-            layout = dtensor.Layout.batch_sharded(self.mesh, self.batch_axis, rank)
-            return shard_value(value, layout)
-
-        return nest.map_structure(one, structure)
+    def _shard(self, value):
+        if value is None or (isinstance(value, tf.Tensor) and dtensor.is_dtensor(value)):
+            return value
+        value = tf.convert_to_tensor(value)
+        rank = value.shape.rank
+        if not rank or self.batch_axis is None:
+            return shard_value(value, replicated(self.mesh, rank or 0))
+        parts = self._axes[self.batch_axis]
+        if value.shape[0] % parts:
+            raise ValueError(
+                f"A batch of {value.shape[0]} examples cannot be split over mesh axis "
+                f"{self.batch_axis!r} of size {parts}. Use a batch size divisible by {parts} "
+                "(for the last batch of a dataset: `dataset.batch(n, drop_remainder=True)`, or a "
+                f"number of examples divisible by the batch size)."
+            )
+        return shard_value(value, dtensor.Layout.batch_sharded(self.mesh, self.batch_axis, rank))
 
     _tfdist_shard_batch = shard_batch  # the *_on_batch hook shards host inputs with it
 
@@ -129,13 +130,45 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
             kwargs = self.shard_batch(kwargs or {})
         with one_device_strategy._OneDeviceReplicaContext(self._container_strategy()):
             outputs = fn(*args, **(kwargs or {}))
+        return self._readable(outputs)  # Keras reads step outputs on the host
 
-        def readable(value):  # Keras reads step outputs on the host
+    def _readable(self, structure):
+        """`structure` with each tensor of rank >= 1 replicated, so that the host can read it."""
+
+        def one(value):
             if isinstance(value, tf.Tensor) and value.shape.rank:
                 return dtensor.relayout(value, replicated(self.mesh, value.shape.rank))
             return value
 
-        return nest.map_structure(readable, outputs)
+        return nest.map_structure(one, structure)
+
+    # ------------------------------------------------------------------ custom loops without `run`
+    def _own_scope(self):
+        """This strategy's scope, unless it is already the current strategy."""
+        strategy = self._container_strategy()
+        return contextlib.nullcontext() if tf.distribute.get_strategy() is strategy else strategy.scope()
+
+    def _tfdist_apply_outside_replica(self, grads, apply):
+        # Keras' apply as in `run`: its slots are created in the scope, its merge_call finds a replica context.
+        with self._own_scope(), one_device_strategy._OneDeviceReplicaContext(self._container_strategy()):
+            return apply(grads)
+
+    def _tfdist_call_model(self, model, call, args, kwargs):
+        del model
+        # A model called in the strategy's scope or outside it: the variables it creates are DTensor variables.
+        # Eager host arrays and tensors among its arguments are split on the batch axis (Python values stay),
+        # and then its outputs come back replicated, readable on the host.
+        host = tf.executing_eagerly() and any(
+            isinstance(v, np.ndarray) or (isinstance(v, tf.Tensor) and not dtensor.is_dtensor(v))
+            for v in nest.flatten((args, kwargs))
+        )
+        if host:
+            args, kwargs = nest.map_structure(
+                lambda v: self._shard(v) if isinstance(v, (np.ndarray, tf.Tensor)) else v, (args, kwargs)
+            )
+        with self._own_scope():
+            outputs = call(*args, **kwargs)
+        return self._readable(outputs) if host else outputs
 
     def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
         del colocate_with

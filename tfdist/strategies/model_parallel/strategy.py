@@ -59,6 +59,15 @@ class ModelParallelStrategy(distribute_lib.Strategy):
     Checkpoints (`.keras`, `.weights.h5`, `tf.train.Checkpoint`) hold whole
     tensors, so they load onto another mesh shape or one device.
 
+    Custom loops work with `strategy.run` and without it (DTensor style:
+    `tf.GradientTape` and `optimizer.apply_gradients` in a `tf.function`, in
+    the scope or after it): a model created under the scope builds its
+    variables under it wherever it is first called. A traced step takes
+    DTensor batches, from `shard_batch((x, y))` or
+    `experimental_distribute_dataset` (DTensor refuses a plain tensor argument
+    of a function whose variables are DTensors); an eager `model(x)` takes
+    numpy or tensors and returns host-readable outputs.
+
     Limits: devices of this host only; every batch (the last one too) must
     divide by the batch axis; random ops (dropout) draw other numbers than on
     one device; each variable's initial value is computed whole on the host,
