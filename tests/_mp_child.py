@@ -433,6 +433,51 @@ def scenario_dtensor_loop():
             }
 
 
+def scenario_unmatched_rules():
+    """Rules that match no weight: one warning per model once it is built, at fit or in a custom loop."""
+    x, y = tutorial_data()
+    # The tutorial's rule on a subclassed model whose layers keep Keras' default names.
+    rules = [("feature.*kernel", (None, "model")), (r"dense_in/kernel$", (None, "model"))]
+    strategy = ModelParallelStrategy(mesh={"batch": 2, "model": 4}, rules=rules)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with strategy.scope():
+            model = TutorialSubclassed()
+            model.compile(optimizer=adam(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        RESULT["fit_built_before"] = model.built
+        model.fit(x, y, batch_size=TUTORIAL_BATCH, epochs=2, verbose=0)
+        RESULT["fit_warnings"] = tfdist_warnings(caught)
+        model.evaluate(x, y, batch_size=TUTORIAL_BATCH, verbose=0)
+        model.predict(x, batch_size=TUTORIAL_BATCH, verbose=0)
+        RESULT["after_evaluate_predict_warnings"] = tfdist_warnings(caught)
+    RESULT["fit_paths"] = [w.path for w in model.weights]
+
+    # A custom loop: the warning comes once, at the first step (when the model is built).
+    with strategy.scope():
+        looped = TutorialSubclassed()
+        optimizer = adam()
+    step = tutorial_step(looped, optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            step(*strategy.shard_batch((x[i * 16 : (i + 1) * 16], y[i * 16 : (i + 1) * 16])))
+    RESULT["loop_warnings"] = tfdist_warnings(caught)
+
+    # A model inside another: the inner model's call does not report the outer model's rules.
+    nested_rules = [(r"inner_dense/kernel$", (None, "model")), (r"head/kernel$", ("model", None))]
+    nested_strategy = ModelParallelStrategy(mesh={"batch": 2, "model": 4}, rules=nested_rules)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nested_strategy.scope():
+            inputs = keras.Input((12,))
+            inner = keras.Model(inputs, keras.layers.Dense(16, name="inner_dense")(inputs), name="inner")
+            outer = keras.Sequential([keras.Input((12,)), inner, keras.layers.Dense(8, name="head")], name="outer")
+            outer.compile(optimizer=adam(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        outer.fit(x, y, batch_size=TUTORIAL_BATCH, epochs=1, verbose=0)
+    RESULT["nested_warnings"] = tfdist_warnings(caught)
+    RESULT["nested_head_layout"] = list(outer.layers[-1].kernel.value.layout.sharding_specs)
+
+
 def scenario_unsafe_env():
     """With DTensor's all-reduce combining pass on: the strategy refuses; forced, Adam goes wrong."""
     try:

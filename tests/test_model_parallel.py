@@ -251,3 +251,31 @@ def test_eager_call_on_numpy_outside_the_scope_builds_sharded_and_reads_on_the_h
     assert r["subclassed_eager_first_call_diff"] < 1e-6
     assert r["subclassed_eager_first_call_layout"] == ["unsharded", "unsharded"]  # replicated: host-readable
 
+
+# ------------------------------------------------------------------ rules that match nothing
+@pytest.fixture(scope="module")
+def unmatched(tmp_path_factory):
+    return run_scenario("unmatched_rules", tmp_path_factory.mktemp("unmatched_rules"))
+
+
+def test_a_rule_that_matches_nothing_warns_once_at_fit_naming_it_and_near_paths(unmatched):
+    r = unmatched
+    assert r["fit_built_before"] is False  # subclassed: built by fit
+    assert len(r["fit_warnings"]) == 1  # 2 epochs of 5 steps
+    message = r["fit_warnings"][0]
+    assert "rule 'feature.*kernel' -> (None, 'model') matched no variable" in message
+    assert "similar paths: tutorial_subclassed/dense_in/kernel" in message
+    assert "dense_in/kernel$" not in message  # the rule that matched is not named
+    assert r["after_evaluate_predict_warnings"] == r["fit_warnings"]  # no second warning
+
+
+def test_a_rule_that_matches_nothing_warns_once_in_a_custom_loop(unmatched):
+    warnings_ = unmatched["loop_warnings"]
+    assert len(warnings_) == 1  # 3 steps
+    assert "'tutorial_subclassed_1'" in warnings_[0] and "'feature.*kernel'" in warnings_[0]
+
+
+def test_a_model_inside_another_is_checked_with_the_outer_model(unmatched):
+    # "head/kernel$" matches the outer model's weight only: no warning for the inner model.
+    assert unmatched["nested_warnings"] == []
+    assert unmatched["nested_head_layout"] == ["model", "unsharded"]

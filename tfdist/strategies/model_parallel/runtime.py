@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import threading
+import warnings
+import weakref
 
+import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -13,6 +17,7 @@ from tensorflow.python.util import nest
 
 from tfdist._compat import variables as keras_variables
 from tfdist.placement import mesh as mesh_lib
+from tfdist.placement import report as report_lib
 from tfdist.strategies import _extended
 from tfdist.strategies.model_parallel.variables import GatheredVariable
 from tfdist.strategies.model_parallel.variables import ShardedVariable
@@ -58,6 +63,8 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         self.rules = rules
         self.batch_axis = batch_axis
         self._axes = mesh_lib.mesh_axes(mesh)
+        self._calls = threading.local()  # .depth: model calls in progress on this thread
+        self._rules_checked = weakref.WeakSet()  # models whose unmatched rules were reported
 
     # ------------------------------------------------------------------ variables
     def layout_for(self, path, shape):
@@ -154,21 +161,47 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
             return apply(grads)
 
     def _tfdist_call_model(self, model, call, args, kwargs):
-        del model
         # A model called in the strategy's scope or outside it: the variables it creates are DTensor variables.
         # Eager host arrays and tensors among its arguments are split on the batch axis (Python values stay),
         # and then its outputs come back replicated, readable on the host.
+        leaves = nest.flatten((args, kwargs))
         host = tf.executing_eagerly() and any(
-            isinstance(v, np.ndarray) or (isinstance(v, tf.Tensor) and not dtensor.is_dtensor(v))
-            for v in nest.flatten((args, kwargs))
+            isinstance(v, np.ndarray) or (isinstance(v, tf.Tensor) and not dtensor.is_dtensor(v)) for v in leaves
         )
         if host:
             args, kwargs = nest.map_structure(
                 lambda v: self._shard(v) if isinstance(v, (np.ndarray, tf.Tensor)) else v, (args, kwargs)
             )
-        with self._own_scope():
-            outputs = call(*args, **kwargs)
+        depth = getattr(self._calls, "depth", 0)
+        self._calls.depth = depth + 1
+        try:
+            with self._own_scope():
+                outputs = call(*args, **kwargs)
+        finally:
+            self._calls.depth = depth
+        # The rules are checked on the outermost model once it is built, not on a model called inside another
+        # one nor on one called on Keras inputs (it is being composed into a bigger model).
+        if depth == 0 and model.built and not any(isinstance(v, keras.KerasTensor) for v in leaves):
+            self._warn_unmatched_rules_once(model)
         return self._readable(outputs) if host else outputs
+
+    def unmatched_rules(self, model):
+        """`(rule, similar paths)` for each layout rule that matched no weight of `model`."""
+        return self.rules.unmatched(w.path for w in model.weights)
+
+    def _warn_unmatched_rules_once(self, model) -> None:
+        if model in self._rules_checked:
+            return
+        self._rules_checked.add(model)
+        unmatched = self.unmatched_rules(model)
+        if unmatched:
+            warnings.warn(
+                f"ModelParallelStrategy: model {model.name!r} is built, and the weights these layout rules were "
+                "meant for stay replicated: " + "; ".join(report_lib.unmatched_rule_lines(unmatched)) + ". "
+                "Fix the patterns (`strategy.placement_report(model)` lists every weight's path).",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
         del colocate_with

@@ -66,7 +66,8 @@ class ModelParallelStrategy(distribute_lib.Strategy):
     DTensor batches, from `shard_batch((x, y))` or
     `experimental_distribute_dataset` (DTensor refuses a plain tensor argument
     of a function whose variables are DTensors); an eager `model(x)` takes
-    numpy or tensors and returns host-readable outputs.
+    numpy or tensors and returns host-readable outputs. Once a model is built,
+    the rules that matched none of its weights are named in one warning.
 
     Limits: devices of this host only; every batch (the last one too) must
     divide by the batch axis; random ops (dropout) draw other numbers than on
@@ -215,7 +216,7 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             mesh=dict(axes),
             variables=tuple(rows),
             bytes_per_device={d: per_device for d in self.mesh.local_devices()},
-            unmatched_rules=tuple(self.rules.unmatched(w.path for w in model.weights)),
+            unmatched_rules=tuple(self.extended.unmatched_rules(model)),
             misplaced=tuple(misplaced),
         )
         if print_fn is not None:
