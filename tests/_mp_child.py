@@ -322,6 +322,162 @@ def scenario_data_and_conv():
         RESULT["uneven_batch_error"] = str(e)
 
 
+class TutorialSubclassed(keras.Model):
+    """The DTensor tutorial's subclassed MLP: layers created in __init__, variables when first called."""
+
+    def __init__(self, name=None):
+        super().__init__(name=name)
+        self.dense_in = keras.layers.Dense(16, activation="relu", name="dense_in")
+        self.dense_out = keras.layers.Dense(8, name="dense_out")
+
+    def call(self, x):
+        return self.dense_out(self.dense_in(x))
+
+
+def tutorial_model(kind):
+    keras.utils.set_random_seed(21)
+    if kind == "sequential":
+        return keras.Sequential(
+            [
+                keras.Input((12,)),
+                keras.layers.Dense(16, activation="relu", name="dense_in"),
+                keras.layers.Dense(8, name="dense_out"),
+            ]
+        )
+    return TutorialSubclassed(name="sub")
+
+
+TUTORIAL_RULES = [
+    (r"dense_in/kernel$", (None, "model")),
+    (r"dense_in/bias$", ("model",)),
+    (r"dense_out/kernel$", ("model", None)),
+]
+TUTORIAL_STEPS, TUTORIAL_BATCH = 5, 16
+
+
+def tutorial_step(model, optimizer, compile_step=True):
+    """The dtensor_keras tutorial's training step: tape, loss, gradients, `apply_gradients`; no `strategy.run`."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = tf.reduce_mean(loss_fn(y, logits))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return tf.function(train_step) if compile_step else train_step
+
+
+def tutorial_data():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(TUTORIAL_STEPS * TUTORIAL_BATCH, 12)).astype("float32")
+    y = rng.integers(0, 8, size=(TUTORIAL_STEPS * TUTORIAL_BATCH,)).astype("int32")
+    return x, y
+
+
+def tfdist_warnings(caught):
+    return [str(w.message) for w in caught if str(w.message).startswith("ModelParallelStrategy")]
+
+
+def scenario_dtensor_loop():
+    """The dtensor_keras tutorial's custom loop (no `strategy.run`), in the scope and outside it, vs one device."""
+    x, y = tutorial_data()
+    batches = [(x[i : i + TUTORIAL_BATCH], y[i : i + TUTORIAL_BATCH]) for i in range(0, len(x), TUTORIAL_BATCH)]
+    for kind in ("sequential", "subclassed"):
+        ref = tutorial_model(kind)
+        ref_optimizer = adam()
+        ref_step = tutorial_step(ref, ref_optimizer)
+        RESULT[f"{kind}_ref_losses"] = [float(ref_step(bx, by)) for bx, by in batches]
+        RESULT[f"{kind}_num_weights"] = len(ref.weights)
+        ref_weights = ref.get_weights()
+        ref_predictions = tutorial_model(kind)(x[:TUTORIAL_BATCH]).numpy()
+        # inside: the loop runs in the scope; outside: after it; eager: outside, no tf.function, and the
+        # model is first called on a plain numpy batch.
+        for where in ("inside", "outside", "eager") if kind == "subclassed" else ("inside", "outside"):
+            key = f"{kind}_{where}"
+            strategy = ModelParallelStrategy(mesh={"batch": 2, "model": 4}, rules=TUTORIAL_RULES)
+            with strategy.scope():
+                model = tutorial_model(kind)
+                optimizer = adam()
+            step = tutorial_step(model, optimizer, compile_step=where != "eager")
+            if where == "outside":  # DTensor batches from the strategy's dataset
+                dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(TUTORIAL_BATCH)
+                inputs = list(strategy.experimental_distribute_dataset(dataset))
+            else:  # host arrays packed into batch-sharded DTensors
+                inputs = [strategy.shard_batch(batch) for batch in batches]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if where == "eager":
+                    predictions = model(x[:TUTORIAL_BATCH])
+                    RESULT[f"{key}_first_call_diff"] = max_diff([predictions], [ref_predictions])
+                    RESULT[f"{key}_first_call_layout"] = list(dtensor.fetch_layout(predictions).sharding_specs)
+                if where == "inside":
+                    with strategy.scope():
+                        losses = [float(step(bx, by)) for bx, by in inputs]
+                else:
+                    losses = [float(step(bx, by)) for bx, by in inputs]
+            RESULT[f"{key}_warnings"] = tfdist_warnings(caught)
+            RESULT[f"{key}_losses"] = losses
+            RESULT[f"{key}_weights_diff"] = max_diff(model.get_weights(), ref_weights)
+            RESULT[f"{key}_num_weights"] = len(model.weights)
+            kernel = next(w for w in model.weights if w.path.endswith("dense_in/kernel"))
+            RESULT[f"{key}_kernel_layout"] = list(kernel.value.layout.sharding_specs)
+            RESULT[f"{key}_kernel_shards"] = [list(c.shape) for c in dtensor.unpack(kernel.value.read_value())]
+            # Slot paths carry the model's name ("adam/sequential_2_dense_in_kernel_momentum"): keyed from "dense_".
+            RESULT[f"{key}_slot_layouts"] = {
+                "dense_" + v.path.split("dense_", 1)[1]: list(v.value.layout.sharding_specs)
+                for v in optimizer.variables
+                if "dense_" in v.path
+            }
+
+
+def scenario_unmatched_rules():
+    """Rules that match no weight: one warning per model once it is built, at fit or in a custom loop."""
+    x, y = tutorial_data()
+    # The tutorial's rule on a subclassed model whose layers keep Keras' default names.
+    rules = [("feature.*kernel", (None, "model")), (r"dense_in/kernel$", (None, "model"))]
+    strategy = ModelParallelStrategy(mesh={"batch": 2, "model": 4}, rules=rules)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with strategy.scope():
+            model = TutorialSubclassed()
+            model.compile(optimizer=adam(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        RESULT["fit_built_before"] = model.built
+        model.fit(x, y, batch_size=TUTORIAL_BATCH, epochs=2, verbose=0)
+        RESULT["fit_warnings"] = tfdist_warnings(caught)
+        model.evaluate(x, y, batch_size=TUTORIAL_BATCH, verbose=0)
+        model.predict(x, batch_size=TUTORIAL_BATCH, verbose=0)
+        RESULT["after_evaluate_predict_warnings"] = tfdist_warnings(caught)
+    RESULT["fit_paths"] = [w.path for w in model.weights]
+
+    # A custom loop: the warning comes once, at the first step (when the model is built).
+    with strategy.scope():
+        looped = TutorialSubclassed()
+        optimizer = adam()
+    step = tutorial_step(looped, optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            step(*strategy.shard_batch((x[i * 16 : (i + 1) * 16], y[i * 16 : (i + 1) * 16])))
+    RESULT["loop_warnings"] = tfdist_warnings(caught)
+
+    # A model inside another: the inner model's call does not report the outer model's rules.
+    nested_rules = [(r"inner_dense/kernel$", (None, "model")), (r"head/kernel$", ("model", None))]
+    nested_strategy = ModelParallelStrategy(mesh={"batch": 2, "model": 4}, rules=nested_rules)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nested_strategy.scope():
+            inputs = keras.Input((12,))
+            inner = keras.Model(inputs, keras.layers.Dense(16, name="inner_dense")(inputs), name="inner")
+            outer = keras.Sequential([keras.Input((12,)), inner, keras.layers.Dense(8, name="head")], name="outer")
+            outer.compile(optimizer=adam(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        outer.fit(x, y, batch_size=TUTORIAL_BATCH, epochs=1, verbose=0)
+    RESULT["nested_warnings"] = tfdist_warnings(caught)
+    RESULT["nested_head_layout"] = list(outer.layers[-1].kernel.value.layout.sharding_specs)
+
+
 def scenario_unsafe_env():
     """With DTensor's all-reduce combining pass on: the strategy refuses; forced, Adam goes wrong."""
     try:

@@ -1,6 +1,8 @@
 """Placement: meshes, layout rules and presets (pure, no DTensor program runs), and the
 ModelParallelStrategy constructor's validation."""
 
+import re
+
 import pytest
 
 from tfdist import layouts
@@ -206,3 +208,26 @@ def test_strategy_builds_its_mesh_and_installs_its_hooks():
     assert _compat.installed("model_parallel")
     assert ModelParallelStrategy(mesh={"model": 8}).batch_axis is None  # every device sees the whole batch
     assert ModelParallelStrategy(mesh={"data": 2, "model": 4}, batch_axis="data").batch_axis == "data"
+
+
+def test_near_misses_of_a_pattern_with_wildcards_come_from_its_literal_pieces():
+    # The dtensor_keras tutorial's rule on a subclassed model's paths (too unlike any path for difflib).
+    rules = layouts.LayoutRules([("feature.*kernel", (None, "model"))])
+    prefix = "subclassed_model_1"
+    paths = [f"{prefix}/dense_2/kernel", f"{prefix}/dense_2/bias", f"{prefix}/dense_3/kernel"]
+    ((rule, near),) = rules.unmatched(paths)
+    assert rule.pattern == "feature.*kernel"
+    assert sorted(near) == [f"{prefix}/dense_2/kernel", f"{prefix}/dense_3/kernel"]  # the kernels, not the bias
+
+
+@pytest.mark.parametrize("pattern", ["d2/output", "d2/output$", "output", r"block_\d+/mlp/output$"])
+def test_activation_layouts_are_refused_naming_the_rule(pattern):
+    with pytest.raises(ValueError, match=r"names a layer's output \(an activation layout.*place weights only"):
+        layouts.LayoutRules({pattern: (None, "model")})
+    with pytest.raises(ValueError, match=re.escape(repr(pattern))):
+        ModelParallelStrategy(mesh={"batch": 2, "model": 4}, rules=[(pattern, ("batch", "model"))])
+
+
+def test_weights_of_a_layer_named_output_are_not_activations():
+    rules = layouts.LayoutRules([("output/kernel$", (None, "model")), ("output_proj/bias", ("model",))])
+    assert rules.spec_for("lm/output/kernel", (8, 16), MESH) == (None, "model")

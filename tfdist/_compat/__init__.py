@@ -4,17 +4,19 @@ Each module covers one TensorFlow/Keras target and lists its `Hook`s: what it
 replaces, the source it checks (its probe) and the features that need it.
 `install(feature)` checks and applies exactly the hooks of one feature, once:
 
-| feature          | needed by                         | hooks                                                    |
-|------------------|-----------------------------------|----------------------------------------------------------|
-| "data_parallel"  | DataParallelStrategy              | loss_scaling, optimizer, lazy_build, trainer, mirrored   |
+| feature          | needed by                         | hooks                                                     |
+|------------------|-----------------------------------|-----------------------------------------------------------|
+| "data_parallel"  | DataParallelStrategy              | loss_scaling, optimizer, lazy_build, trainer, mirrored    |
 | "multi_worker"   | MultiWorkerStrategy               | data_parallel's + trainer, step_deadline, keras_callbacks |
-| "model_parallel" | ModelParallelStrategy             | trainer (build, *_on_batch), variables, dtensor          |
-| "pipeline"       | PipelineStrategy                  | data_parallel's + variables, layer_call, gradients, ...  |
-| "callbacks"      | tfdist.callbacks.BackupAndRestore | epoch_iterator, callbacks                                |
+| "model_parallel" | ModelParallelStrategy             | trainer, variables, dtensor, optimizer, layer_call        |
+| "pipeline"       | PipelineStrategy                  | data_parallel's + variables, layer_call, gradients, ...   |
+| "callbacks"      | tfdist.callbacks.BackupAndRestore | epoch_iterator, callbacks                                 |
 
-A hook acts only when the running strategy's `extended` is a
-`tfdist.strategies._extended.TfdistExtended` and asks it what to do (see that
-module); under any other strategy Keras keeps its behaviour. A probe that no
+A hook acts only when the running strategy's `extended` (for a model call, or an
+optimizer step outside a replica context: the strategy the model or optimizer
+was created under) is a `tfdist.strategies._extended.TfdistExtended` and asks
+it what to do (see that module); under any other strategy Keras keeps its
+behaviour. A probe that no
 longer matches raises `tfdist.CompatError` naming the hook, at install time.
 
 Example:

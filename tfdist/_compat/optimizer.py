@@ -4,6 +4,10 @@ Keras clips each replica's gradient before the all-reduce, and its accumulation
 step calls `merge_call` inside a `cond` branch, which tf.distribute forbids.
 Under a tfdist strategy, `apply` in replica context goes to
 `TfdistExtended._tfdist_apply_gradients` with Keras' own `apply` to call once;
+outside any replica context (a custom loop without `strategy.run`, where Keras'
+`maybe_merge_call` finds no replica context and its lazy slot creation needs the
+scope) it goes to `_tfdist_apply_outside_replica` of the strategy the optimizer
+was created under;
 `LossScaleOptimizer.apply` (which does not go through the base class') first
 asks for the micro-batch sum (`_tfdist_accumulate_microbatch`), so its
 loss-scale check and unscaling see the whole step's gradient.
@@ -31,15 +35,19 @@ _original_loss_scale_apply = _loss_scale_optimizer.apply
 
 
 def _apply(self, grads, trainable_variables=None):
+    def keras_apply(g):
+        return _original_apply(self, g, trainable_variables)
+
     lazy_build.build_optimizer(self, trainable_variables)
     extended = _extended.in_replica()
-    if extended is None:
-        return _original_apply(self, grads, trainable_variables)
-    return extended._tfdist_apply_gradients(
-        grads,
-        lambda g: _original_apply(self, g, trainable_variables),
-        accumulates=bool(self.gradient_accumulation_steps),
-    )
+    if extended is not None:
+        return extended._tfdist_apply_gradients(
+            grads, keras_apply, accumulates=bool(self.gradient_accumulation_steps)
+        )
+    extended = _extended.extended_of(self._distribution_strategy)
+    if extended is not None:
+        return extended._tfdist_apply_outside_replica(grads, keras_apply)
+    return keras_apply(grads)
 
 
 def _clip_gradients(self, grads):
@@ -82,8 +90,16 @@ HOOKS = (
         keras_base_optimizer.BaseOptimizer.apply,
         ("_backend_apply_gradients",),
         *EXACT,
+        "model_parallel",
         patch=(keras_tf_optimizer.TFOptimizer, "apply", _apply),
         original=_original_apply,  # TFOptimizer must not override the base class' apply
+    ),
+    hook(
+        "optimizer_strategy",
+        keras_tf_optimizer.TFOptimizer.__init__,
+        ("self._distribution_strategy = tf.distribute.get_strategy()",),
+        *EXACT,
+        "model_parallel",
     ),
     hook(
         "optimizer_accumulation",

@@ -5,6 +5,18 @@ from __future__ import annotations
 import dataclasses
 
 
+def unmatched_rule_lines(unmatched) -> list[str]:
+    """One line per `(rule, similar paths)` of `LayoutRules.unmatched`.
+
+    Example:
+
+    >>> from tfdist.placement.rules import Rule
+    >>> unmatched_rule_lines([(Rule("feature.*kernel", (None, "model")), ["sub/dense/kernel"])])
+    ["rule 'feature.*kernel' -> (None, 'model') matched no variable; similar paths: sub/dense/kernel"]
+    """
+    return [f"rule {rule} matched no variable; similar paths: {', '.join(near) or 'none'}" for rule, near in unmatched]
+
+
 @dataclasses.dataclass(frozen=True)
 class VariablePlacement:
     """Where one variable lives: its path, global shape, per-dimension spec and bytes."""
@@ -72,9 +84,7 @@ class PlacementReport:
 
     def problems(self) -> list[str]:
         """One line per rule that matched nothing and per misplaced variable."""
-        lines = [
-            f"rule {rule} matched no variable; similar paths: {near or 'none'}" for rule, near in self.unmatched_rules
-        ]
+        lines = unmatched_rule_lines(self.unmatched_rules)
         lines += [
             f"variable {path!r} has layout {actual} but the rules give its path {expected}"
             for path, expected, actual in self.misplaced

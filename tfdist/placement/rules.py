@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 
 Spec = tuple  # of str | None, optionally starting with Ellipsis
+# A pattern whose last path component is "output": Keras' key for a layer's output (activation) layout.
+_ACTIVATION = re.compile(r"(^|/)output\$?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,13 @@ class Rule:
             raise ValueError(
                 f"Layout rule {self.pattern!r}: mesh axis {repeated[0]!r} appears twice in spec {spec!r}; "
                 "a mesh axis can split at most one dimension of a variable."
+            )
+        if _ACTIVATION.search(self.pattern):
+            raise ValueError(
+                f"Layout rule {self.pattern!r} names a layer's output (an activation layout, as a Keras LayoutMap's "
+                '"<layer>/output" key does); layout rules place weights only. Activations take the layout DTensor '
+                "derives from the weights and the batch (split over the mesh's batch axis), so no rule is needed. "
+                "Remove the rule, or match weight paths such as 'd2/kernel$'."
             )
         object.__setattr__(self, "spec", spec)
 
@@ -243,10 +252,11 @@ class LayoutRules:
         for rule in self.rules:
             if any(rule.matches(p) for p in paths):
                 continue
-            literal = re.sub(r"[\\^$()\[\]|?*+{}.]", "", rule.pattern)
-            near = difflib.get_close_matches(literal, paths, n=3, cutoff=0.4)
-            if not near:
-                tail = literal.split("/")[-1]
+            # The pattern's literal pieces: "feature.*kernel" -> ["feature", "kernel"].
+            pieces = [p for p in re.split(r"\\.|[\^$()\[\]|?*+{}.]", rule.pattern) if p]
+            near = difflib.get_close_matches("".join(pieces), paths, n=3, cutoff=0.4)
+            if not near and pieces:
+                tail = pieces[-1].split("/")[-1]
                 near = [p for p in paths if tail and tail in p][:3]
             out.append((rule, near))
         return out

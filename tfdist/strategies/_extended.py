@@ -5,17 +5,24 @@ A hook acts when the running strategy's `extended` is an instance of
 keeps every fix), and asks it what to do through the methods below. Their
 defaults keep Keras' own behaviour; each strategy overrides what it changes.
 
-| method / attribute              | called by the hook on                        | default              |
-|---------------------------------|----------------------------------------------|----------------------|
-| `_tfdist_replica_share()`       | Keras' loss (un)scaling                      | None: 1 / replicas   |
-| `_tfdist_apply_gradients()`     | `optimizer.apply` in replica context         | Keras' apply         |
-| `_tfdist_reduce_for_update()`   | Keras' clipping, in replica context         | the gradients as-is  |
-| `_tfdist_gradients_reduced()`   | Keras' all-reduce of the update step         | False: Keras reduces |
-| `_tfdist_accumulate_microbatch` | `LossScaleOptimizer.apply` in replica context | the gradients as-is  |
-| `_tfdist_check_global_batch()`  | the symbolic build (from the element spec)   | accept any batch     |
-| `_tfdist_shard_batch()`         | `train/test/predict_on_batch` host inputs    | the inputs as-is     |
-| `_tfdist_build_eagerly()`       | a layer / optimizer built inside a traced step | build in the graph |
-| `_tfdist_inline_steps`          | Keras' multi-step function                   | False: Keras' nesting |
+| method / attribute                | called by the hook on                              | default               |
+|-----------------------------------|----------------------------------------------------|-----------------------|
+| `_tfdist_replica_share()`         | Keras' loss (un)scaling                            | None: 1 / replicas    |
+| `_tfdist_apply_gradients()`       | `optimizer.apply` in replica context               | Keras' apply          |
+| `_tfdist_apply_outside_replica()` | `optimizer.apply` outside any replica context      | Keras' apply          |
+| `_tfdist_reduce_for_update()`     | Keras' clipping, in replica context                | the gradients as-is   |
+| `_tfdist_gradients_reduced()`     | Keras' all-reduce of the update step               | False: Keras reduces  |
+| `_tfdist_accumulate_microbatch`   | `LossScaleOptimizer.apply` in replica context      | the gradients as-is   |
+| `_tfdist_check_global_batch()`    | the symbolic build (from the element spec)         | accept any batch      |
+| `_tfdist_shard_batch()`           | `train/test/predict_on_batch` host inputs          | the inputs as-is      |
+| `_tfdist_build_eagerly()`         | a layer / optimizer built inside a traced step     | build in the graph    |
+| `_tfdist_inline_steps`            | Keras' multi-step function                         | False: Keras' nesting |
+| `_tfdist_call_model()`            | `model(...)` of a model created under the strategy | Keras' call           |
+
+Outside a replica context (`in_replica()` is None) is where a custom loop without
+`strategy.run` calls the model and the optimizer (DTensor style), in the
+strategy's scope or outside it; the strategy is then the one the model or
+optimizer was created under.
 
 Two more are the strategies' own vocabulary, used by their runtimes and tools
 (benchmarks, the advisor): `_tfdist_global_count` and `_tfdist_all_reduce_gradients`.
@@ -73,6 +80,18 @@ class TfdistExtended:
     def _tfdist_gradients_reduced(self) -> bool:
         """Whether Keras' own all-reduce of the update step is to be skipped (already done)."""
         return False
+
+    def _tfdist_apply_outside_replica(self, grads, apply):
+        """Applies `grads` outside any replica context (a custom loop without `strategy.run`).
+
+        `apply(grads)` is Keras' own apply; by default it runs as Keras would run it there.
+        """
+        return apply(grads)
+
+    def _tfdist_call_model(self, model, call, args, kwargs):
+        """Calls `model` (a Keras model created under this strategy) as `call(*args, **kwargs)`, Keras' own call."""
+        del model
+        return call(*args, **kwargs)
 
     def _tfdist_check_global_batch(self, batch_size) -> None:
         """Raises ValueError when `fit`'s global `batch_size` (None: unknown) cannot be used."""

@@ -26,6 +26,11 @@ Read it top to bottom:
   `run` -> `_call_for_each_replica`: packs eager inputs into batch-sharded
   DTensors and returns outputs replicated, so Keras can read them on the host.
   `_tfdist_shard_batch` is what the `*_on_batch` hook shards host inputs with.
+  Custom loops without `run`: `_tfdist_call_model` calls a model created
+  under the strategy in its scope (eager host inputs batch-sharded, outputs
+  host-readable) and, once the outermost model is built, warns about rules
+  that matched none of its weights; `_tfdist_apply_outside_replica` runs
+  Keras' optimizer apply in the scope and a replica context, as `run` would.
 * `variables.py`: `ShardedVariable` / `GatheredVariable` and `shard_value`.
 """
 

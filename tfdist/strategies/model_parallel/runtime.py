@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import warnings
+import weakref
+
+import keras
+import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.python.distribute import distribute_lib
@@ -10,6 +17,7 @@ from tensorflow.python.util import nest
 
 from tfdist._compat import variables as keras_variables
 from tfdist.placement import mesh as mesh_lib
+from tfdist.placement import report as report_lib
 from tfdist.strategies import _extended
 from tfdist.strategies.model_parallel.variables import GatheredVariable
 from tfdist.strategies.model_parallel.variables import ShardedVariable
@@ -55,6 +63,8 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         self.rules = rules
         self.batch_axis = batch_axis
         self._axes = mesh_lib.mesh_axes(mesh)
+        self._calls = threading.local()  # .depth: model calls in progress on this thread
+        self._rules_checked = weakref.WeakSet()  # models whose unmatched rules were reported
 
     # ------------------------------------------------------------------ variables
     def layout_for(self, path, shape):
@@ -91,26 +101,24 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
     # ------------------------------------------------------------------ inputs
     def shard_batch(self, structure):
         """Packs each tensor of `structure` into a DTensor split on the batch axis (scalars replicated)."""
-        parts = self._axes.get(self.batch_axis, 1) if self.batch_axis else 1
+        return nest.map_structure(self._shard, structure)
 
-        def one(value):
-            if value is None or (isinstance(value, tf.Tensor) and dtensor.is_dtensor(value)):
-                return value
-            value = tf.convert_to_tensor(value)
-            rank = value.shape.rank
-            if not rank or self.batch_axis is None:
-                return shard_value(value, replicated(self.mesh, rank or 0))
-            if value.shape[0] % parts:
-                raise ValueError(
-                    f"A batch of {value.shape[0]} examples cannot be split over mesh axis "
-                    f"{self.batch_axis!r} of size {parts}. Use a batch size divisible by {parts} "
-                    "(for the last batch of a dataset: `dataset.batch(n, drop_remainder=True)`, or a "
-                    f"number of examples divisible by the batch size)."
-                )
-            layout = dtensor.Layout.batch_sharded(self.mesh, self.batch_axis, rank)
-            return shard_value(value, layout)
-
-        return nest.map_structure(one, structure)
+    def _shard(self, value):
+        if value is None or (isinstance(value, tf.Tensor) and dtensor.is_dtensor(value)):
+            return value
+        value = tf.convert_to_tensor(value)
+        rank = value.shape.rank
+        if not rank or self.batch_axis is None:
+            return shard_value(value, replicated(self.mesh, rank or 0))
+        parts = self._axes[self.batch_axis]
+        if value.shape[0] % parts:
+            raise ValueError(
+                f"A batch of {value.shape[0]} examples cannot be split over mesh axis "
+                f"{self.batch_axis!r} of size {parts}. Use a batch size divisible by {parts} "
+                "(for the last batch of a dataset: `dataset.batch(n, drop_remainder=True)`, or a "
+                f"number of examples divisible by the batch size)."
+            )
+        return shard_value(value, dtensor.Layout.batch_sharded(self.mesh, self.batch_axis, rank))
 
     _tfdist_shard_batch = shard_batch  # the *_on_batch hook shards host inputs with it
 
@@ -129,13 +137,71 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
             kwargs = self.shard_batch(kwargs or {})
         with one_device_strategy._OneDeviceReplicaContext(self._container_strategy()):
             outputs = fn(*args, **(kwargs or {}))
+        return self._readable(outputs)  # Keras reads step outputs on the host
 
-        def readable(value):  # Keras reads step outputs on the host
+    def _readable(self, structure):
+        """`structure` with each tensor of rank >= 1 replicated, so that the host can read it."""
+
+        def one(value):
             if isinstance(value, tf.Tensor) and value.shape.rank:
                 return dtensor.relayout(value, replicated(self.mesh, value.shape.rank))
             return value
 
-        return nest.map_structure(readable, outputs)
+        return nest.map_structure(one, structure)
+
+    # ------------------------------------------------------------------ custom loops without `run`
+    def _own_scope(self):
+        """This strategy's scope, unless it is already the current strategy."""
+        strategy = self._container_strategy()
+        return contextlib.nullcontext() if tf.distribute.get_strategy() is strategy else strategy.scope()
+
+    def _tfdist_apply_outside_replica(self, grads, apply):
+        # Keras' apply as in `run`: its slots are created in the scope, its merge_call finds a replica context.
+        with self._own_scope(), one_device_strategy._OneDeviceReplicaContext(self._container_strategy()):
+            return apply(grads)
+
+    def _tfdist_call_model(self, model, call, args, kwargs):
+        # A model called in the strategy's scope or outside it: the variables it creates are DTensor variables.
+        # Eager host arrays and tensors among its arguments are split on the batch axis (Python values stay),
+        # and then its outputs come back replicated, readable on the host.
+        leaves = nest.flatten((args, kwargs))
+        host = tf.executing_eagerly() and any(
+            isinstance(v, np.ndarray) or (isinstance(v, tf.Tensor) and not dtensor.is_dtensor(v)) for v in leaves
+        )
+        if host:
+            args, kwargs = nest.map_structure(
+                lambda v: self._shard(v) if isinstance(v, (np.ndarray, tf.Tensor)) else v, (args, kwargs)
+            )
+        depth = getattr(self._calls, "depth", 0)
+        self._calls.depth = depth + 1
+        try:
+            with self._own_scope():
+                outputs = call(*args, **kwargs)
+        finally:
+            self._calls.depth = depth
+        # The rules are checked on the outermost model once it is built, not on a model called inside another
+        # one nor on one called on Keras inputs (it is being composed into a bigger model).
+        if depth == 0 and model.built and not any(isinstance(v, keras.KerasTensor) for v in leaves):
+            self._warn_unmatched_rules_once(model)
+        return self._readable(outputs) if host else outputs
+
+    def unmatched_rules(self, model):
+        """`(rule, similar paths)` for each layout rule that matched no weight of `model`."""
+        return self.rules.unmatched(w.path for w in model.weights)
+
+    def _warn_unmatched_rules_once(self, model) -> None:
+        if model in self._rules_checked:
+            return
+        self._rules_checked.add(model)
+        unmatched = self.unmatched_rules(model)
+        if unmatched:
+            warnings.warn(
+                f"ModelParallelStrategy: model {model.name!r} is built, and the weights these layout rules were "
+                "meant for stay replicated: " + "; ".join(report_lib.unmatched_rule_lines(unmatched)) + ". "
+                "Fix the patterns (`strategy.placement_report(model)` lists every weight's path).",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
         del colocate_with

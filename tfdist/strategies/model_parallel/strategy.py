@@ -59,6 +59,16 @@ class ModelParallelStrategy(distribute_lib.Strategy):
     Checkpoints (`.keras`, `.weights.h5`, `tf.train.Checkpoint`) hold whole
     tensors, so they load onto another mesh shape or one device.
 
+    Custom loops work with `strategy.run` and without it (DTensor style:
+    `tf.GradientTape` and `optimizer.apply_gradients` in a `tf.function`, in
+    the scope or after it): a model created under the scope builds its
+    variables under it wherever it is first called. A traced step takes
+    DTensor batches, from `shard_batch((x, y))` or
+    `experimental_distribute_dataset` (DTensor refuses a plain tensor argument
+    of a function whose variables are DTensors); an eager `model(x)` takes
+    numpy or tensors and returns host-readable outputs. Once a model is built,
+    the rules that matched none of its weights are named in one warning.
+
     Limits: devices of this host only; every batch (the last one too) must
     divide by the batch axis; random ops (dropout) draw other numbers than on
     one device; each variable's initial value is computed whole on the host,
@@ -78,7 +88,9 @@ class ModelParallelStrategy(distribute_lib.Strategy):
 
     Raises:
         ValueError: for a bad mesh, a mesh whose size differs from the device
-            count, a rule naming an axis the mesh lacks, or a `batch_axis`
+            count, a rule naming an axis the mesh lacks or a layer's output
+            (an activation layout such as "d2/output": rules place weights;
+            activations follow them and the batch axis), or a `batch_axis`
             (other than the default) that the mesh lacks.
         RuntimeError: if DTensor's all-reduce combining pass is enabled
             (`DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION` other than "0"),
@@ -204,7 +216,7 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             mesh=dict(axes),
             variables=tuple(rows),
             bytes_per_device={d: per_device for d in self.mesh.local_devices()},
-            unmatched_rules=tuple(self.rules.unmatched(w.path for w in model.weights)),
+            unmatched_rules=tuple(self.extended.unmatched_rules(model)),
             misplaced=tuple(misplaced),
         )
         if print_fn is not None:
