@@ -123,6 +123,15 @@ def _ready(outputs) -> list:
 
 def _time(fn, args, rounds: int) -> float:
     """Median seconds per call of `fn(*args)` over `rounds` rounds (after tracing and a warm-up)."""
+    return _time_together({"fn": (fn, args)}, rounds)["fn"]
+
+
+def _time_together(calls: dict, rounds: int) -> dict:
+    """Median seconds per call of each `name: (fn, args)` of `calls`, their rounds interleaved.
+
+    Each round times every call once, in an order that rotates from round to round, so that a
+    slow spell of a shared host weighs on all of them alike and their ratios hold.
+    """
     import tensorflow as tf
 
     def wait(result):
@@ -130,18 +139,23 @@ def _time(fn, args, rounds: int) -> float:
             for t in getattr(value, "values", (value,)):
                 t.numpy()
 
-    wait(fn(*args))  # trace
-    start = time.perf_counter()
-    wait(fn(*args))
-    iters = max(1, min(100, int(_ROUND_SECONDS / max(time.perf_counter() - start, 1e-6))))
-    times = []
-    for _ in range(rounds):
+    iters = {}
+    for name, (fn, args) in calls.items():
+        wait(fn(*args))  # trace
         start = time.perf_counter()
-        for _ in range(iters - 1):
-            fn(*args)
         wait(fn(*args))
-        times.append((time.perf_counter() - start) / iters)
-    return statistics.median(times)
+        iters[name] = max(1, min(100, int(_ROUND_SECONDS / max(time.perf_counter() - start, 1e-6))))
+    names = list(calls)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn, args = calls[name]
+            start = time.perf_counter()
+            for _ in range(iters[name] - 1):
+                fn(*args)
+            wait(fn(*args))
+            times[name].append((time.perf_counter() - start) / iters[name])
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _activation_bytes(model, x) -> int:
@@ -296,8 +310,7 @@ def advise(
 
     with one.scope():
         data = tuple(tf.nest.map_structure(tf.convert_to_tensor, batch))
-    compute_time = _time(forward_backward, data, rounds)
-    step_time = max(_time(train_step, data, rounds), compute_time)
+    one_device = {"compute": (forward_backward, data), "step": (train_step, data)}
     gradient_bytes = _bytes(single.trainable_variables)
     parameter_bytes = _bytes(single.weights)
     optimizer_bytes = _bytes(v for v in single.optimizer.variables if len(v.shape) > 0)
@@ -305,8 +318,11 @@ def advise(
 
     layer_bytes = tuple(_bytes(layer.weights) for layer in single.layers if layer.weights)
 
-    parallel_time, all_reduce_time, overhead_time = compute_time, 0.0, 0.0
-    if n > 1:
+    all_reduce_time, overhead_time = 0.0, 0.0
+    if n == 1:
+        times = _time_together(one_device, rounds)
+        parallel_time = times["compute"]
+    else:
         many = DataParallelStrategy(devices=devices)
         replicas = _clone(model, optimizer, many)
         per_replica = batch_size // n
@@ -328,10 +344,14 @@ def advise(
         def all_reduce(grads):
             return many.run(lambda g: _ready(collectives.all_reduce_gradients(many, g)), args=(grads,))
 
-        parallel_time = _time(parallel_forward_backward, (shards,), rounds)
+        # One device and all of them, side by side: their ratio is the compute speed-up.
+        times = _time_together({**one_device, "parallel": (parallel_forward_backward, (shards,))}, rounds)
+        parallel_time = times["parallel"]
         all_reduce_time = _time(all_reduce, (zeros,), rounds)
         overhead_time = _step_overhead(data, devices, rounds)
 
+    compute_time = times["compute"]
+    step_time = max(times["step"], compute_time)
     measurements = Measurements(
         devices=tuple(devices),
         batch_size=batch_size,
