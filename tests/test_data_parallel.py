@@ -158,9 +158,11 @@ def test_evaluate_and_predict_match_single_device(n):
     )
 
 
-def test_ring_communication_matches_single_device():
+@pytest.mark.parametrize("communication", ["ring", "reduce_to_one", "hierarchical"])
+def test_every_communication_matches_single_device(communication):
     x, y = data(42)
-    strategy = tfdist.DataParallelStrategy(devices=DEVICES, communication="ring")
+    strategy = tfdist.DataParallelStrategy(devices=DEVICES, communication=communication)
+    assert strategy.resolved_communication == communication
     ref, _, dist, _ = train_both(sgd, x, y, batch_size=16, strategy=strategy)
     assert_weights_close(ref, dist, SGD_ATOL)
 
@@ -210,15 +212,19 @@ def test_strategy_is_a_mirrored_strategy_with_defaults():
     assert isinstance(strategy, tf.distribute.MirroredStrategy)
     assert strategy.num_replicas_in_sync == 8
     assert strategy.communication == "auto"
+    assert strategy.resolved_communication == "reduce_to_one"  # what "auto" is on CPUs
+    assert isinstance(strategy.extended._cross_device_ops, tf.distribute.ReductionToOneDevice)
     assert "communication='auto'" in repr(strategy)
 
 
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"communication": "fast"}, r"communication='fast'.*\('auto', 'nccl', 'ring', 'hierarchical'\)"),
-        ({"communication": "nccl", "devices": DEVICES}, r"'nccl' needs GPU devices.*CPU:0"),
-        ({"communication": "hierarchical", "devices": DEVICES}, r"'hierarchical' needs GPU devices"),
+        (
+            {"communication": "fast"},
+            r"communication='fast'.*\('auto', 'ring', 'reduce_to_one', 'hierarchical', 'nccl'\)",
+        ),
+        ({"communication": "nccl", "devices": DEVICES}, r"'nccl' needs GPU devices.*CPU:0.*'reduce_to_one'"),
         ({"devices": ["CPU:0", "CPU:42"]}, r"'CPU:42' does not exist.*Available logical devices"),
         ({"devices": ["CPU:1", "/cpu:1"]}, r"repeated: \['/device:CPU:1'\]"),
         ({"devices": []}, r"Received: devices=\[\]"),

@@ -28,10 +28,12 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         devices: device names to replicate over, e.g. `["GPU:0", "GPU:1"]` or
             `["CPU:0", "CPU:1"]`. Defaults to all GPUs, else all logical CPUs
             (see `tfdist.simulate_devices`).
-        communication: how gradients are all-reduced: "auto" (TensorFlow's
-            choice: NCCL collectives on GPUs, ring collectives on CPUs), "ring"
-            (ring collectives), "nccl" (NCCL all-reduce, GPUs only) or
-            "hierarchical" (hierarchical copy, GPUs only).
+        communication: how gradients are all-reduced: "auto" ("reduce_to_one"
+            on CPUs, the fastest there; TensorFlow's NCCL collectives on GPUs),
+            "reduce_to_one" (summed on the first device, copied back),
+            "hierarchical" (hierarchical copy), "ring" (ring collectives) or
+            "nccl" (NCCL all-reduce, GPUs only). `benchmarks/allreduce.py`
+            measures each on the devices at hand.
         gradient_dtype: None (all-reduce gradients in their own dtype), or
             "bfloat16" / "float16": wider float gradients are cast to it for
             the all-reduce (half the bytes to move) and back afterwards;
@@ -40,8 +42,8 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
 
     Raises:
         ValueError: for an unknown `communication` or `gradient_dtype`, a
-            device that does not exist, a repeated device, or a GPU-only
-            communication on CPUs.
+            device that does not exist, a repeated device, or "nccl" on
+            CPUs.
 
     Example:
 
@@ -76,8 +78,13 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
 
     @property
     def communication(self) -> str:
-        """The gradient all-reduce choice this strategy was built with."""
+        """The gradient all-reduce choice this strategy was built with ("auto" included)."""
         return self._communication
+
+    @property
+    def resolved_communication(self) -> str:
+        """The all-reduce in use: `communication` with "auto" resolved ("reduce_to_one" on CPUs, else "collective")."""
+        return self.extended._tfdist_communication
 
     @property
     def topology(self) -> topology_lib.Topology:
