@@ -16,7 +16,7 @@ with "ring", interleaved rounds.
 - memcpy: `np.copyto` of a 256 MiB (`--quick`: 64 MiB) float32 array, bytes copied / time, in the same
   run. On one host the devices share its memory, so this is the physical limit.
 
-Each figure is the median over rounds (with min-max). Simulated devices are used unless the host has
+Each figure is the median over rounds (with min-max); the choices' rounds are interleaved. Simulated devices are used unless the host has
 2 or more GPUs.
 
     python -m benchmarks.allreduce            # full: 1 KiB - 256 MiB, 5 rounds
@@ -65,32 +65,42 @@ def memcpy_bandwidth(nbytes: int, rounds: int) -> list[float]:
     return out
 
 
-def time_all_reduce(strategy, nbytes: int, rounds: int) -> list[float]:
-    """Seconds per all-reduce of an `nbytes` float32 tensor per device, one figure per round."""
+def time_all_reduces(strategies: dict, nbytes: int, rounds: int) -> dict:
+    """Seconds per all-reduce of an `nbytes` float32 tensor per device, per strategy, one figure per round.
+
+    The strategies' rounds are interleaved (the order rotating from round to round), so that a slow
+    spell of the shared host, or the first touch of large buffers, weighs on all of them alike.
+    """
     import tensorflow as tf
 
     from tfdist.strategies import collectives
 
     elements = nbytes // 4
-    values = strategy.experimental_distribute_values_from_function(lambda _: tf.zeros([elements]))
+    runs = {}
+    for name, strategy in strategies.items():
+        values = strategy.experimental_distribute_values_from_function(lambda _: tf.zeros([elements]))
 
-    @tf.function
-    def all_reduce(v):  # zeros stay zeros: the result can feed the next call, in order
-        return strategy.run(lambda t: collectives.all_reduce_gradients(strategy, [t])[0], args=(v,))
+        @tf.function
+        def all_reduce(v, strategy=strategy):  # zeros stay zeros: the result can feed the next call, in order
+            return strategy.run(lambda t: collectives.all_reduce_gradients(strategy, [t])[0], args=(v,))
 
-    for _ in range(2):  # trace, then warm up
-        values = all_reduce(values)
-    start = time.perf_counter()
-    values = all_reduce(values)
-    once = time.perf_counter() - start
-    iters = max(1, min(200, int(ROUND_SECONDS / max(once, 1e-6))))
-    out = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(iters):
+        for _ in range(2):  # trace, then warm up
             values = all_reduce(values)
-        strategy.experimental_local_results(values)[0].numpy()[:1]  # wait for the last one
-        out.append((time.perf_counter() - start) / iters)
+        start = time.perf_counter()
+        values = all_reduce(values)
+        once = time.perf_counter() - start
+        runs[name] = [all_reduce, values, max(1, min(200, int(ROUND_SECONDS / max(once, 1e-6))))]
+    names = list(strategies)
+    out = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            all_reduce, values, iters = runs[name]
+            start = time.perf_counter()
+            for _ in range(iters):
+                values = all_reduce(values)
+            strategies[name].experimental_local_results(values)[0].numpy()[:1]  # wait for the last one
+            out[name].append((time.perf_counter() - start) / iters)
+            runs[name][1] = values
     return out
 
 
@@ -150,7 +160,9 @@ def plot(results, memcpy: float, path: str) -> None:
         ys = [r["busbw"] / 1e9 for r in rows]
         lo = [r["busbw_min"] / 1e9 for r in rows]
         hi = [r["busbw_max"] / 1e9 for r in rows]
-        line = ax.plot(xs, ys, styles.get(comm, "-"), marker="o", ms=3, color=colors.get(n), label=f"N={n} {comm}")
+        line = ax.plot(
+            xs, ys, linestyle=styles.get(comm, "-"), marker="o", ms=3, color=colors.get(n), label=f"N={n} {comm}"
+        )
         colors.setdefault(n, line[0].get_color())
         ax.fill_between(xs, lo, hi, color=colors[n], alpha=0.12)
     ax.axhline(memcpy / 1e9, color="black", lw=1)
@@ -197,17 +209,20 @@ def main(argv=None):
 
     results = {}
     for n in counts:
+        strategies = {}
         for comm in comms:
             communication, _, gdtype = comm.partition("+")
-            strategy = tfdist.DataParallelStrategy(
+            strategies[comm] = tfdist.DataParallelStrategy(
                 devices=devices[:n], communication=communication, gradient_dtype=gdtype or None
             )
-            rows = results[(n, comm)] = []
-            for nbytes in sizes(largest):
-                times = time_all_reduce(strategy, nbytes, rounds)
-                factor = 2 * (n - 1) / n
+            results[(n, comm)] = []
+        for nbytes in sizes(largest):
+            measured = time_all_reduces(strategies, nbytes, rounds)
+            factor = 2 * (n - 1) / n
+            for comm in comms:
+                times = measured[comm]
                 busbws = [nbytes / t * factor for t in times]  # in round order
-                rows.append(
+                results[(n, comm)].append(
                     {
                         "bytes": nbytes,
                         "time": statistics.median(times),
@@ -218,9 +233,10 @@ def main(argv=None):
                         "ratios": [b / memcpy for b in busbws],
                     }
                 )
+                row = results[(n, comm)][-1]
                 print(
-                    f"N={n} {comm:14s} {label(nbytes):>8s}: {rows[-1]['time'] * 1e6:10.1f} us, "
-                    f"busbw {rows[-1]['busbw'] / 1e9:7.3f} GB/s",
+                    f"N={n} {comm:14s} {label(nbytes):>8s}: {row['time'] * 1e6:10.1f} us, "
+                    f"busbw {row['busbw'] / 1e9:7.3f} GB/s",
                     flush=True,
                 )
 
@@ -275,7 +291,8 @@ def main(argv=None):
     body = (
         f"Devices: {', '.join(devices[:nmax])} ({'GPUs' if on_gpus else 'simulated CPUs sharing the host'}); "
         f"float32 messages {label(KIB)} to {label(top)}; {rounds} rounds of >= {ROUND_SECONDS * 1e3:.0f} ms per "
-        f"point, medians (min-max). memcpy ({label(memcpy_bytes)}, np.copyto): **{memcpy / 1e9:.2f} GB/s** "
+        f"point, the choices' rounds interleaved, medians (min-max). "
+        f"memcpy ({label(memcpy_bytes)}, np.copyto): **{memcpy / 1e9:.2f} GB/s** "
         f"(min {min(memcpy_rounds) / 1e9:.2f}, max {max(memcpy_rounds) / 1e9:.2f}).\n\n"
         + "\n".join(lines)
         + f"\n\n**At {label(top)} on N={nmax}: bus bandwidth {at(nmax, 'auto')['busbw'] / 1e9:.2f} GB/s = "
