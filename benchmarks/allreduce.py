@@ -16,8 +16,8 @@ with "ring", interleaved rounds.
 - memcpy: `np.copyto` of a 256 MiB (`--quick`: 64 MiB) float32 array, bytes copied / time, in the same
   run. On one host the devices share its memory, so this is the physical limit.
 
-Each figure is the median over rounds (with min-max); the choices' rounds are interleaved. Simulated devices are used unless the host has
-2 or more GPUs.
+Each figure is the median over rounds (with min-max); the choices' rounds are interleaved. Simulated
+devices are used unless the host has 2 or more GPUs.
 
     python -m benchmarks.allreduce            # full: 1 KiB - 256 MiB, 5 rounds
     python -m benchmarks.allreduce --quick    # 1 KiB - 16 MiB, 5 rounds
