@@ -252,7 +252,7 @@ def test_step_deadline_aborts_only_functions_with_collectives(python_subprocess)
             return tf.py_function(slow, [x], tf.float32)
 
         print("plain", float(no_collectives(tf.constant(1.0))))  # 1.5 s, not aborted
-        strategy = tfdist.DataParallelStrategy()
+        strategy = tfdist.DataParallelStrategy(communication="ring")  # ring: collective ops ("auto" sums on CPU:0)
 
         @tf.function
         def with_collectives(x):
