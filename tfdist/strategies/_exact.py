@@ -158,10 +158,7 @@ class ExactReplicas(_extended.TfdistExtended):
             with self._tfdist_replica_apply():
                 return apply(grads)
         if self._num_replicas_in_sync > 1:
-            present = [i for i, g in enumerate(grads) if g is not None]
-            reduced = self._tfdist_all_reduce_gradients([grads[i] for i in present])
-            for i, g in zip(present, reduced):
-                grads[i] = g
+            grads = self._tfdist_all_reduce_present(grads)
         # Even with one replica: Keras' accumulation step would call merge_call inside a cond.
 
         def apply_once(unused_strategy, reduced_grads):
@@ -230,8 +227,12 @@ class ExactReplicas(_extended.TfdistExtended):
         if not getattr(flags, "local", False) or flags.reduced:
             return grads
         flags.reduced = True
-        present = [i for i, g in enumerate(grads) if g is not None]
+        return self._tfdist_all_reduce_present(grads)
+
+    def _tfdist_all_reduce_present(self, grads):
+        """`grads` with each gradient that is not None all-reduced (summed over replicas), as a new list."""
         grads = list(grads)
+        present = [i for i, g in enumerate(grads) if g is not None]
         for i, g in zip(present, self._tfdist_all_reduce_gradients([grads[i] for i in present])):
             grads[i] = g
         return grads
