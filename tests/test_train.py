@@ -68,6 +68,51 @@ def test_runs_on_two_replicas_from_a_flagfile(trained):
     assert "Traceback" not in result.stderr
 
 
+SPEED = re.compile(
+    r"(?P<speedup>[0-9.]+)x on 2 simulated CPU devices sharing (?P<cores>[0-9]+) cores \(measured after training, "
+    r"on one batch: (?P<many_ms>[0-9.]+) ms per step vs (?P<one_ms>[0-9.]+) ms on one device, medians of 3 "
+    r"interleaved rounds of 3 steps; (?P<seconds>[0-9.]+) s, --nomeasure_speedup skips it\)"
+)
+
+
+def test_the_summary_states_the_speed_against_one_device_measured_in_the_run(trained):
+    result, _ = trained
+    row = summary_value(result.stdout, "speed vs one device")
+    measured = SPEED.fullmatch(row)
+    assert measured, row
+    speedup, one_ms, many_ms = (float(measured.group(k)) for k in ("speedup", "one_ms", "many_ms"))
+    assert int(measured.group("cores")) == os.cpu_count()
+    assert all(0 < v < math.inf for v in (speedup, one_ms, many_ms, float(measured.group("seconds")))), row
+    # The speed-up is the ratio of the two step times it shows (each rounded to 0.1 ms, it to 0.01).
+    assert speedup == pytest.approx(one_ms / many_ms, abs=0.006 + 0.05 * (1 + speedup) / many_ms), row
+    # The 2-device step measured after training is the training's own step to within the noise of a shared host.
+    tokens_per_s = float(summary_value(result.stdout, "tokens/s").split()[0].replace(",", ""))
+    training_ms = 1e3 * 16 * SEQ_LEN / tokens_per_s
+    assert 0.25 < many_ms / training_ms < 4, (row, training_ms)
+    verdict = summary_value(result.stdout, "data parallelism")
+    assert verdict.startswith("pays here: 2 devices train" if speedup >= 1 else "does not pay here"), verdict
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--num_devices=2", "--nomeasure_speedup"], None),
+        (["--num_devices=1"], "n/a: trained on one device"),
+    ],
+)
+def test_the_speed_row_is_left_out_when_turned_off_and_says_so_on_one_device(tmp_path, args, expected):
+    result = run_train(*args, "--global_batch_size=8", f"--seq_len={SEQ_LEN}", "--d_model=32", "--num_heads=2",
+                       "--num_layers=1", "--steps=6", "--max_corpus_bytes=20000", f"--model_dir={tmp_path}",
+                       timeout=TRAIN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert summary_value(result.stdout, "strategy").endswith(f"{args[0][-1]} replica(s)")
+    if expected is None:
+        assert "speed vs one device" not in result.stdout, result.stdout
+    else:
+        assert summary_value(result.stdout, "speed vs one device") == expected
+    assert "data parallelism:" not in result.stdout, result.stdout
+
+
 def test_held_out_perplexity_falls_well_below_the_untrained_model(trained):
     result, _ = trained
     untrained = float(summary_value(result.stdout, "held-out perplexity (untrained)"))

@@ -4,7 +4,9 @@ Trains `tfdist.models.transformer_lm` on a byte corpus (by default the Python
 standard library's source), saves an atomic checkpoint per epoch
 (`tfdist.callbacks.Checkpoint`), the final model as `model.keras` and
 TensorBoard logs under --model_dir, and prints a summary: devices, tokens/s,
-train loss, and held-out loss and perplexity before and after training.
+the speed against one device (measured after training, --measure_speedup) and
+what would make data parallelism pay, train loss, and held-out loss and
+perplexity before and after training.
 
 Examples:
 
@@ -41,8 +43,18 @@ FLAGS = tfdist_flags.FLAGS
 tfdist_flags.define_flags()
 flags.adopt_module_key_flags(tfdist_flags)  # --helpshort lists them
 
+flags.DEFINE_boolean(
+    "measure_speedup",
+    True,
+    "After training on more than one device in one process, time a few steps of the model on one device "
+    "against the strategy's devices (interleaved rounds, medians; seconds on CPUs) and report the speed-up "
+    "in the summary.",
+)
+
 _WARMUP_FRACTION = 0.1
 _MAX_WARMUP_STEPS = 100
+_SPEED_ROUNDS = 3  # interleaved rounds of --measure_speedup, each model ...
+_SPEED_STEPS = 3  # ... timed over this many steps per round, after a warm-up of 2
 
 
 def _fail(message: str) -> NoReturn:
@@ -108,6 +120,78 @@ def _learning_rate(peak: float, total_steps: int):
     )
 
 
+def _compiled_lm(strategy, *, total_steps: int):
+    """The LM of the flags under `strategy`, compiled with AdamW and the learning-rate schedule."""
+    import keras
+
+    from tfdist import models
+
+    with strategy.scope():
+        model = models.transformer_lm(
+            seq_len=FLAGS.seq_len,
+            d_model=FLAGS.d_model,
+            num_heads=FLAGS.num_heads,
+            num_layers=FLAGS.num_layers,
+        )
+        optimizer = keras.optimizers.AdamW(learning_rate=_learning_rate(FLAGS.learning_rate, total_steps),
+                                           weight_decay=0.01)
+        optimizer.exclude_from_weight_decay(var_names=["bias", "gamma", "beta", "embeddings"])
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _speed_rows(model, build, train_ds, devices: list[str], multi_worker: bool) -> list[tuple[str, str]]:
+    """The summary's rows on data parallelism's speed against one device, measured now.
+
+    Times `_SPEED_ROUNDS` rounds of `_SPEED_STEPS` steps (after a warm-up) of the trained model on
+    the strategy's devices and of a copy of it, built and compiled the same way, on the first of
+    them, interleaved, on one batch of the training data: the ratio of the median step times.
+    """
+    import time
+
+    from tfdist import _fit_timing
+    from tfdist.advisor import _LM_HEADS as _ADVISE_LM_HEADS
+    from tfdist.strategies.data_parallel import DataParallelStrategy
+
+    label = "speed vs one device"
+    n = len(devices)
+    if multi_worker:
+        return [(label, "not measured for multi-worker training")]
+    if n == 1:
+        return [(label, "n/a: trained on one device")]
+    start = time.perf_counter()
+    single = build(DataParallelStrategy(devices=devices[:1]))
+    single.set_weights(model.get_weights())
+    times = _fit_timing.interleaved_step_times(
+        {"one": single, "all": model}, train_ds.take(1).cache().repeat(), rounds=_SPEED_ROUNDS, steps=_SPEED_STEPS
+    )
+    seconds = time.perf_counter() - start
+    speedup = times["one"] / times["all"]
+    gpus = any("GPU" in d.upper() for d in devices)
+    where = f"{n} GPUs" if gpus else f"{n} simulated CPU devices sharing {os.cpu_count()} cores"
+    measured = (
+        f"{speedup:.2f}x on {where} (measured after training, on one batch: {times['all'] * 1e3:.1f} ms per step "
+        f"vs {times['one'] * 1e3:.1f} ms on one device, medians of {_SPEED_ROUNDS} interleaved rounds of "
+        f"{_SPEED_STEPS} steps; {seconds:.1f} s, --nomeasure_speedup skips it)"
+    )
+    if speedup >= 1:
+        verdict = f"pays here: {n} devices train {speedup:.2f}x as fast as one"
+    else:
+        advise = (
+            f"; tfdist-advise --model=lm --width={FLAGS.d_model} --depth={FLAGS.num_layers} "
+            f"--seq_len={FLAGS.seq_len} --batch_size={FLAGS.global_batch_size} --optimizer=adamw --num_devices={n} "
+            "measures those parts for this model"
+            if FLAGS.d_model % _ADVISE_LM_HEADS == 0
+            else ""
+        )
+        accelerators = "" if gpus else "one accelerator per replica (these devices share the CPU), or "
+        verdict = (
+            f"does not pay here (--num_devices=1 trains faster); it pays with {accelerators}a model or batch "
+            f"whose compute per step outweighs the all-reduce of the gradients and the per-step overhead{advise}"
+        )
+    return [(label, measured), ("data parallelism", verdict)]
+
+
 def _perplexity(loss: float) -> float:
     return math.exp(min(loss, 700.0))
 
@@ -152,7 +236,6 @@ def main(argv: list[str]) -> int:
         import tensorflow as tf
 
         from tfdist import callbacks as tfdist_callbacks
-        from tfdist import models
         from tfdist.callbacks import _files as checkpoint_files
 
         # On a machine without a CUDA driver the first GPU listing logs a cuInit error (TensorFlow
@@ -199,22 +282,8 @@ def main(argv: list[str]) -> int:
     steps_per_epoch = FLAGS.steps or math.ceil(train_windows / batch)
 
     keras.utils.set_random_seed(FLAGS.seed)
-    with strategy.scope():
-        model = models.transformer_lm(
-            seq_len=FLAGS.seq_len,
-            d_model=FLAGS.d_model,
-            num_heads=FLAGS.num_heads,
-            num_layers=FLAGS.num_layers,
-        )
-        optimizer = keras.optimizers.AdamW(
-            learning_rate=_learning_rate(FLAGS.learning_rate, FLAGS.epochs * steps_per_epoch),
-            weight_decay=0.01,
-        )
-        optimizer.exclude_from_weight_decay(var_names=["bias", "gamma", "beta", "embeddings"])
-        model.compile(
-            optimizer=optimizer,
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
+    build = functools.partial(_compiled_lm, total_steps=FLAGS.epochs * steps_per_epoch)
+    model = build(strategy)
 
     untrained = model.evaluate(heldout_ds, verbose=0, return_dict=True)["loss"]
     # Tokens/s over every step but the first (which traces and compiles), in the logs and TensorBoard.
@@ -247,6 +316,7 @@ def main(argv: list[str]) -> int:
     trained = history.history["val_loss"][-1]
 
     rate = history.history.get("tokens_per_sec", [None])[-1]
+    speed = _speed_rows(model, build, train_ds, devices, cluster is not None) if FLAGS.measure_speedup else []
     _print_summary(
         [
             ("strategy", f"{type(strategy).__name__} ({FLAGS.strategy}), {replicas} replica(s)"),
@@ -273,6 +343,7 @@ def main(argv: list[str]) -> int:
                 if rate
                 else "n/a (only the first, compiling step ran)",
             ),
+            *speed,
             ("train loss", f"{history.history['loss'][-1]:.4f} (mean over the last epoch)"),
             ("held-out loss (untrained)", f"{untrained:.4f}"),
             ("held-out loss (trained)", f"{trained:.4f}"),
