@@ -44,6 +44,7 @@ TRAIN = [
     (["--num_heads=0"], None, r"flag --num_heads=0: 0 is not a positive integer"),
     (["--num_heads=3"], None, r"flags d_model=128, num_heads=3: --num_heads must divide --d_model"),
     (["--max_corpus_bytes=0"], None, r"flag --max_corpus_bytes=0: 0 is not a positive integer"),
+    (["--measure_speedup=maybe"], None, r"flag --measure_speedup=maybe: .*Non-boolean argument to boolean flag"),
     (["--no_such_flag=1"], None, r"Unknown command line flag 'no_such_flag'"),
     (["--flagfile={missing}"], None, r"Unable to open flagfile: .*No such file or directory: '{missing}'"),
     (["--flagfile={fifo}"], None, r"flag --flagfile={fifo}: '{fifo}' is not a regular file"),
