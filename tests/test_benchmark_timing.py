@@ -5,6 +5,7 @@ import time
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from benchmarks import _timing
@@ -33,3 +34,41 @@ def test_step_times_exclude_work_after_the_last_step_and_the_warm_up():
     # The 2 s of train-end work (and the first step's tracing) are in the fit() wall time, in no step time.
     assert wall > 2 * SLEEP and max(times) < SLEEP / 2, (wall, times)
     assert wall / 8 > 5 * statistics.median(times)  # what wall time / steps would have reported is far off
+
+
+class SlowBatch(keras.callbacks.Callback):
+    """One slow step after the warm-up (a pause of the shared host)."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 4:
+            time.sleep(SLEEP)
+
+
+def test_step_time_is_the_median_step_not_the_mean_and_arrays_are_timed_like_datasets():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((40, 4), "float32"), np.ones((40, 3), "float32")
+    times = _timing.fit_step_times(model, x, y, steps=6, warmup=2, batch_size=4, callbacks=[SlowBatch()])
+    assert len(times) == 6 and max(times) > SLEEP > 5 * statistics.median(times), times  # the pause is in one step
+    median = _timing.step_time(model, x, y, steps=6, warmup=2, batch_size=4, callbacks=[SlowBatch()])
+    assert median < SLEEP / 10  # the mean (a sum over the steps / 6) would be over SLEEP / 6
+    with pytest.raises(ValueError, match="need 32 rows"):
+        _timing.fit_step_times(model, x[:20], y[:20], steps=6, warmup=2, batch_size=4)
+
+
+def test_interleaved_rotates_the_order_round_by_round_and_keeps_each_variants_results_in_round_order():
+    calls = []
+
+    def variant(name):
+        def run():
+            calls.append(name)
+            return f"{name}{sum(c == name for c in calls)}"
+
+        return run
+
+    out = _timing.interleaved({n: variant(n) for n in "abc"}, rounds=4)
+    assert calls == list("abc" "bca" "cab" "abc")
+    assert out == {"a": ["a1", "a2", "a3", "a4"], "b": ["b1", "b2", "b3", "b4"], "c": ["c1", "c2", "c3", "c4"]}
+    calls.clear()
+    _timing.interleaved({n: variant(n) for n in "ab"}, rounds=3)
+    assert calls == list("ab" "ba" "ab")
