@@ -15,10 +15,11 @@ simulated devices. Figures:
   tfdist / JAX, and whether every variable got the same sharding spec in both.
 
 Step times are measured inside `fit`, on both backends alike: each round runs one `fit` epoch per
-variant (one device, the mesh, JAX-Keras) over the same batches, the order rotating from round to
-round, and its figure is the median of the intervals between batch ends after a warm-up of 2
-steps (`benchmarks._timing`; a `fit()` call's wall time on TensorFlow includes up to seconds of
-tf.data work after the last step). The ratios are taken round by round; median and min-max over
+variant (one device, the mesh, JAX-Keras) over the same batches, the order changing from round to
+round (`benchmarks._timing.interleaved`: each first, and right after each other, equally often),
+and its figure is the median of the intervals between batch ends after a warm-up of 2 steps
+(`benchmarks._timing`; a `fit()` call's wall time on TensorFlow includes up to seconds of tf.data
+work after the last step). The ratios are taken round by round; median and min-max over
 rounds.
 
     python -m benchmarks.model_parallel --mesh batch=2,model=4 --rounds 5
@@ -266,7 +267,8 @@ def main(argv=None):
             f"{args.global_batch_size}, mesh {mesh}, rules tfdist.layouts.transformer(). Step times are measured "
             f"inside `fit`: the median of the {args.steps} intervals between batch ends after {WARMUP} warm-up steps, "
             f"one figure per variant and round; {args.rounds} rounds, the variants ({', '.join(times)}) interleaved "
-            "(the order rotating), ratios taken round by round; medians over rounds (min-max).",
+            "(each first, and right after each other, equally often), ratios taken round by round; medians over "
+            "rounds (min-max).",
             "",
             "| figure | value |",
             "|---|---|",

@@ -5,7 +5,8 @@ K = 4, 2 and M = 1, 2, 4, 8, next to a same-device control (the same micro-batch
 one device). Step times are measured inside `fit`: the median of the intervals between batch ends
 after a warm-up of 2 steps (`benchmarks._timing`; a `fit()` call's wall time includes up to
 seconds of tf.data work after the last step), one figure per variant and round; the 12 variants'
-rounds are interleaved (the order rotating), and every figure below is taken round by round, then
+rounds are interleaved (`benchmarks._timing.interleaved`: each first, and right after each other,
+equally often), and every figure below is taken round by round, then
 its median and min-max over rounds.
 
 Bubble, from the step times: the control does the stages' work for M micro-batches one after
@@ -258,8 +259,8 @@ def _report(bubble_rows, times, balance, devices, shape, rounds, steps):
         f"A balanced MLP of {shape['depth']} Dense({shape['width']}) layers, SGD, global batch {shape['batch']}, "
         f"on {devices[:4]}. Step times are measured inside `fit`: the median of the {steps} intervals between "
         f"batch ends after {WARMUP} warm-up steps, one figure per variant and round; {rounds} rounds, the "
-        f"{len(times)} variants (K stages or the same-device control, x M) interleaved (the order rotating), "
-        "every figure taken round by round; medians over rounds (min-max).",
+        f"{len(times)} variants (K stages or the same-device control, x M) interleaved (each first, and right "
+        "after each other, equally often), every figure taken round by round; medians over rounds (min-max).",
         "",
         "Bubble from the step times: 1 - T(same device, M) / (K x T(K stages, M)); profiled: 1 - mean over "
         "stages of kernel busy time / step span, from one traced step per round (a cross-check).",

@@ -4,7 +4,7 @@ Weak scaling, as Horovod reports it: each device keeps the same per-device batch
 train a global batch N times larger. Each model is trained with `model.fit` under
 `tfdist.DataParallelStrategy` over the first 1, 2, 4, ... devices (GPUs when the host has any,
 else simulated CPUs), in one process. Every round runs one `fit` epoch on each N, the order
-alternating from round to round, and takes its step time inside `fit`: the median of the
+changing from round to round (`benchmarks._timing.interleaved`), and takes its step time inside `fit`: the median of the
 intervals between batch ends after a warm-up of 2 steps (`benchmarks._timing`; not a `fit()`
 call's wall time, which includes seconds of tf.data work after the last step). examples/s =
 global batch / step time; efficiency(N) = examples/s on N / (N x examples/s on 1), both from the
@@ -165,7 +165,8 @@ def main(argv=None):
         f"(transformer_lm d_model {LM['d_model']}, {LM['num_layers']} layers, Adam), MLP {per_device['MLP']} examples "
         f"(3 x Dense(512), SGD). Step times are measured inside `fit`: the median of the {steps} intervals between "
         f"batch ends after {WARMUP} warm-up steps, one figure per N and round; {rounds} rounds, the N interleaved "
-        "(the order rotating), efficiency taken round by round; medians over rounds (min-max).\n\n"
+        "(each first, and right after each other, equally often), efficiency taken round by round; medians over "
+        "rounds (min-max).\n\n"
         "| model | devices | global batch | examples/s | efficiency |\n|---|---|---|---|---|\n"
         + "\n".join(rows)
         + f"\n\n**Scaling efficiency at N={counts[-1]}: {kinds}** (1.0 = linear; Horovod publishes ~0.9 on GPUs).\n\n"
