@@ -28,7 +28,7 @@ REPO = os.path.dirname(_results.DIRECTORY)
 # name -> (extra arguments, timeout in seconds quick / full)
 BENCHMARKS = {
     "overhead": ([], (150, 1200)),
-    "allreduce": ([], (240, 1800)),
+    "allreduce": ([], (420, 1800)),
     "scaling": ([], (240, 1800)),
     "multi_worker": ([], (180, 1200)),
     "model_parallel": (["--write"], (240, 2400)),

@@ -1,11 +1,20 @@
 """The JAX side of benchmarks/model_parallel.py: Keras 3's own ModelParallel on the JAX backend.
 
 Run by `python -m benchmarks.model_parallel --jax_python PATH` in an environment with `jax` and
-the same Keras (see the docstring there); prints one JSON line: step times, bytes on device 0,
-the last loss, and each variable's sharding spec (checked there against tfdist's placement).
+the same Keras (see the docstring there), with the repository on PYTHONPATH. It builds and
+compiles the model, prints `@json {"ready": true}`, then answers one request per line of its
+standard input:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 KERAS_BACKEND=jax \\
-        python benchmarks/_model_parallel_jax.py '{"mesh": {"batch": 2, "model": 4}, ...}'
+* `round`: one `fit` epoch over the same batches as the TensorFlow side, timed inside `fit` with
+  `benchmarks._timing` (the median of the intervals between batch ends after the warm-up steps);
+  prints `@json {"step_time": seconds, "loss": the epoch's loss}`;
+* `finish`: prints `@json {"bytes_device0": ..., "specs": {variable path: spec}}` (the sharding
+  specs are checked there against tfdist's placement) and exits.
+
+Between requests it waits, idle, so that model_parallel.py can interleave its rounds with the
+TensorFlow ones without the two competing for the cores.
+
+    PYTHONPATH=. python benchmarks/_model_parallel_jax.py '{"mesh": {"batch": 2, "model": 4}, ...}'
 """
 
 import json
@@ -13,7 +22,6 @@ import math
 import os
 import re
 import sys
-import time
 
 CONFIG = json.loads(sys.argv[1])
 MESH = CONFIG["mesh"]
@@ -23,6 +31,7 @@ os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={math.prod(ME
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import _timing  # noqa: E402  (the standard library and Keras only)
 from tfdist import models  # noqa: E402  (plain Keras; does not load TensorFlow)
 
 # tfdist.layouts.transformer() written as a Keras LayoutMap (rank-2 kernels for the MLP and head).
@@ -63,15 +72,18 @@ def main():
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     rng = np.random.default_rng(0)
-    batch, steps = CONFIG["global_batch_size"], CONFIG["steps"]
-    x = rng.integers(0, CONFIG["vocab_size"], (batch * steps, CONFIG["seq_len"])).astype("int32")
-    y = rng.integers(0, CONFIG["vocab_size"], (batch * steps, CONFIG["seq_len"])).astype("int32")
+    batch, steps, warmup = CONFIG["global_batch_size"], CONFIG["steps"], CONFIG["warmup"]
+    n = batch * (warmup + steps)  # the TensorFlow side's data: the same generator, the same draws
+    x = rng.integers(0, CONFIG["vocab_size"], (n, CONFIG["seq_len"])).astype("int32")
+    y = rng.integers(0, CONFIG["vocab_size"], (n, CONFIG["seq_len"])).astype("int32")
     model.fit(x[:batch], y[:batch], batch_size=batch, verbose=0)  # compile and build the optimizer
-    times, loss = [], None
-    for _ in range(CONFIG["rounds"]):
-        start = time.perf_counter()
-        loss = model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0).history["loss"][-1]
-        times.append((time.perf_counter() - start) / steps)
+    reply({"ready": True})
+    for request in sys.stdin:
+        if request.strip() != "round":
+            break
+        losses = LastLoss()
+        step = _timing.step_time(model, x, y, steps=steps, warmup=warmup, batch_size=batch, callbacks=[losses])
+        reply({"step_time": step, "loss": losses.loss})
     variables = list(model.weights) + list(model.optimizer.variables)
     specs = {}
     for v in variables:
@@ -79,7 +91,18 @@ def main():
         spec = spec + (None,) * (len(v.shape) - len(spec))
         specs[re.sub(r"^adam(_\d+)?/", "adam/", v.path)] = list(spec)
     device0 = sum(v.value.addressable_shards[0].data.nbytes for v in variables)
-    print(json.dumps({"step_times": times, "bytes_device0": device0, "loss": loss, "specs": specs}))
+    reply({"bytes_device0": device0, "specs": specs})
+
+
+def reply(obj):
+    print("@json " + json.dumps(obj), flush=True)
+
+
+class LastLoss(keras.callbacks.Callback):
+    loss = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.loss = float(logs["loss"])
 
 
 if __name__ == "__main__":

@@ -7,12 +7,20 @@ simulated devices. Figures:
 * bytes per device / ideal, where ideal = (parameters + optimizer state) / model-axis size;
   goal <= 1.05 (what stays replicated: LayerNorms, position embeddings, row-parallel biases);
 * the loss after the timed steps on both, as a check that they trained the same model;
-* step time on the mesh / step time on one device (median over rounds; simulated CPU devices
-  share the host's cores, so this measures overhead, not a speed-up);
+* step time on the mesh / step time on one device (simulated CPU devices share the host's
+  cores, so this measures overhead, not a speed-up);
 * with `--jax_python`: the same model, mesh and placement under Keras' own
-  `keras.distribution.ModelParallel` on the JAX backend (benchmarks/_model_parallel_jax.py, run
-  in that Python after the TensorFlow rounds): step time and bytes per device tfdist / JAX, and
-  whether every variable got the same sharding spec in both.
+  `keras.distribution.ModelParallel` on the JAX backend (benchmarks/_model_parallel_jax.py, a
+  process of that Python that runs one round when asked): step time and bytes per device
+  tfdist / JAX, and whether every variable got the same sharding spec in both.
+
+Step times are measured inside `fit`, on both backends alike: each round runs one `fit` epoch per
+variant (one device, the mesh, JAX-Keras) over the same batches, the order changing from round to
+round (`benchmarks._timing.interleaved`: each first, and right after each other, equally often),
+and its figure is the median of the intervals between batch ends after a warm-up of 2 steps
+(`benchmarks._timing`; a `fit()` call's wall time on TensorFlow includes up to seconds of tf.data
+work after the last step). The ratios are taken round by round; median and min-max over
+rounds.
 
     python -m benchmarks.model_parallel --mesh batch=2,model=4 --rounds 5
     # JAX side, in an environment of its own:
@@ -26,13 +34,19 @@ import argparse
 import json
 import math
 import os
+import queue
 import re
 import statistics
 import subprocess
 import sys
-import time
+import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from benchmarks import _timing  # noqa: E402
+
+WARMUP = 2  # steps of each round's fit epoch before the timed ones
+JAX_TIMEOUT = 1200  # seconds the JAX side may take to start, or to run one round
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -63,28 +77,79 @@ def build(args):
     return model
 
 
-def time_steps(model, x, y, batch, steps):
-    start = time.perf_counter()
-    history = model.fit(x[: batch * steps], y[: batch * steps], batch_size=batch, epochs=1, shuffle=False, verbose=0)
-    return (time.perf_counter() - start) / steps, history.history["loss"][-1]
+def loss_keeper():
+    """A Keras callback keeping the last epoch's loss (`.loss`)."""
+    import keras
+
+    class LastLoss(keras.callbacks.Callback):
+        loss = None
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.loss = float(logs["loss"])
+
+    return LastLoss()
 
 
-def run_jax(args, mesh) -> dict:
-    """Runs the JAX side in `args.jax_python` and returns its JSON result."""
-    config = {
-        "mesh": mesh,
-        **{k: getattr(args, k) for k in ("rounds", "steps", "global_batch_size", "seq_len", "vocab_size")},
-        **{k: getattr(args, k) for k in ("d_model", "num_heads", "num_layers")},
-    }
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = os.path.join(repo, "benchmarks", "_model_parallel_jax.py")
-    env = {**os.environ, "PYTHONPATH": repo}
-    proc = subprocess.run(
-        [args.jax_python, script, json.dumps(config)], capture_output=True, text=True, env=env, timeout=1200
-    )
-    if proc.returncode:
-        raise RuntimeError(f"the JAX side failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+class JaxSide:
+    """benchmarks/_model_parallel_jax.py in `python`: it builds the model, then runs one timed round per `round()`.
+
+    It waits for the next request between rounds (idle, so it does not compete with the TensorFlow
+    rounds for the cores); `finish()` returns the bytes on its device 0 and the variables' specs.
+    """
+
+    def __init__(self, python: str, config: dict):
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        script = os.path.join(repo, "benchmarks", "_model_parallel_jax.py")
+        env = {**os.environ, "PYTHONPATH": repo}
+        self._proc = subprocess.Popen(
+            [python, script, json.dumps(config)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        self._lines = queue.Queue()
+        self._err = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=lambda: self._err.extend(self._proc.stderr), daemon=True).start()
+        self._reply()  # built, compiled and warmed up
+
+    def _read(self):
+        for line in self._proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)  # the process closed its output: it exited
+
+    def _reply(self) -> dict:
+        """The next "@json ..." line the JAX side prints (other output, e.g. a library's notice, is skipped)."""
+        while True:
+            try:
+                line = self._lines.get(timeout=JAX_TIMEOUT)
+            except queue.Empty:
+                line = why = f"no answer in {JAX_TIMEOUT} s"
+            else:
+                why = f"exit status {self._proc.wait()}" if line is None else None
+            if why:
+                self.close()
+                raise RuntimeError(f"the JAX side failed ({why}):\n{''.join(self._err)[-4000:]}")
+            if line.startswith("@json "):
+                return json.loads(line[len("@json ") :])
+
+    def _ask(self, request: str) -> dict:
+        self._proc.stdin.write(request + "\n")
+        self._proc.stdin.flush()
+        return self._reply()
+
+    def round(self) -> dict:
+        """One `fit` epoch: {"step_time": median seconds per step, "loss": the epoch's loss}."""
+        return self._ask("round")
+
+    def finish(self) -> dict:
+        """{"bytes_device0": ..., "specs": {variable path: spec}}; the process then exits."""
+        out = self._ask("finish")
+        self._proc.wait(timeout=60)
+        return out
+
+    def close(self):
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
 
 
 def main(argv=None):
@@ -116,7 +181,7 @@ def main(argv=None):
     from tfdist.strategies.model_parallel import ModelParallelStrategy
 
     rng = np.random.default_rng(0)
-    n = args.global_batch_size * args.steps
+    n = args.global_batch_size * (WARMUP + args.steps)
     x = rng.integers(0, args.vocab_size, (n, args.seq_len)).astype("int32")
     y = rng.integers(0, args.vocab_size, (n, args.seq_len)).astype("int32")
 
@@ -133,50 +198,87 @@ def main(argv=None):
     per_device = next(iter(report.bytes_per_device.values()))
     model_axis = mesh.get("model", 1)
     ideal = report.bytes_total / model_axis
-    ratios, losses, mesh_times = [], {}, []
+    losses = {name: loss_keeper() for name in ("single", "mesh")}
+
+    def tf_round(name, model):
+        def run():
+            return _timing.step_time(
+                model, x, y, steps=args.steps, warmup=WARMUP, batch_size=args.global_batch_size,
+                callbacks=[losses[name]],
+            )
+
+        return run
+
+    variants = {"single": tf_round("single", single), "mesh": tf_round("mesh", sharded)}
+    jax_side = jax_losses = None
+    if args.jax_python:
+        config = {
+            "mesh": mesh,
+            "warmup": WARMUP,
+            **{k: getattr(args, k) for k in ("steps", "global_batch_size", "seq_len", "vocab_size")},
+            **{k: getattr(args, k) for k in ("d_model", "num_heads", "num_layers")},
+        }
+        jax_side, jax_losses = JaxSide(args.jax_python, config), []
+
+        def jax_round():
+            reply = jax_side.round()
+            jax_losses.append(reply["loss"])
+            return reply["step_time"]
+
+        variants["JAX-Keras"] = jax_round
+    try:
+        times = _timing.interleaved(variants, args.rounds)
+        jax = jax_side.finish() if jax_side else None
+    finally:
+        if jax_side:
+            jax_side.close()
     for r in range(args.rounds):
-        times = {}
-        for name in ("single", "mesh") if r % 2 == 0 else ("mesh", "single"):
-            model = single if name == "single" else sharded
-            times[name], losses[name] = time_steps(model, x, y, args.global_batch_size, args.steps)
-        ratios.append(times["mesh"] / times["single"])
-        mesh_times.append(times["mesh"])
-        print(f"round {r}: one device {times['single'] * 1e3:.1f} ms/step, mesh {times['mesh'] * 1e3:.1f} ms/step")
+        print(f"round {r}: " + ", ".join(f"{name} {t[r] * 1e3:.1f} ms/step" for name, t in times.items()), flush=True)
+    mesh_times = times["mesh"]
+    ratios = [m / s for m, s in zip(mesh_times, times["single"])]
+    losses = {name: keeper.loss for name, keeper in losses.items()}
 
     rows = []
     figures = [
         _results.figure(f"model-parallel bytes per device / ideal (mesh {mesh})", [per_device / ideal], goal="<= 1.05"),
         _results.figure("model-parallel step time mesh / one device (simulated CPUs: overhead)", ratios),
     ]
-    if args.jax_python:
-        jax = run_jax(args, mesh)
-        tfdist_step, jax_step = statistics.median(mesh_times), statistics.median(jax["step_times"])
+    if jax is not None:
+        jax_ratios = [t / j for t, j in zip(mesh_times, times["JAX-Keras"])]
+        tfdist_step, jax_step = statistics.median(mesh_times), statistics.median(times["JAX-Keras"])
         tfdist_specs = {re.sub(r"^adam(_\d+)?/", "adam/", v.path): list(v.spec) for v in report.variables}
         differ = sorted(p for p in set(tfdist_specs) | set(jax["specs"]) if tfdist_specs.get(p) != jax["specs"].get(p))
         rows = [
             f"| step time on the mesh: tfdist {tfdist_step * 1e3:.1f} ms, JAX-Keras {jax_step * 1e3:.1f} ms | |",
-            f"| step time tfdist / JAX-Keras | {tfdist_step / jax_step:.2f} |",
+            f"| step time tfdist / JAX-Keras (median of per-round ratios, min-max) | "
+            f"{statistics.median(jax_ratios):.2f} ({min(jax_ratios):.2f}-{max(jax_ratios):.2f}) |",
             f"| bytes per device tfdist / JAX-Keras | {per_device / jax['bytes_device0']:.3f} |",
-            f"| last loss JAX-Keras (same data; initial weights differ by backend RNG) | {jax['loss']:.5f} |",
+            f"| last loss JAX-Keras (same data; initial weights differ by backend RNG) | {jax_losses[-1]:.5f} |",
             f"| variables placed differently tfdist vs JAX-Keras | {len(differ)} of {len(tfdist_specs)} {differ[:3]} |",
         ]
         figures += [
-            _results.figure("model-parallel step time tfdist / JAX-Keras ModelParallel",
-                            [t / statistics.median(jax["step_times"]) for t in mesh_times]),
+            _results.figure("model-parallel step time tfdist / JAX-Keras ModelParallel", jax_ratios),
             _results.figure("model-parallel bytes per device tfdist / JAX-Keras", [per_device / jax["bytes_device0"]]),
         ]
     body = "\n".join(
         [
             f"transformer_lm(seq_len={args.seq_len}, vocab_size={args.vocab_size}, d_model={args.d_model}, "
             f"num_heads={args.num_heads}, num_layers={args.num_layers}), Adam, global batch "
-            f"{args.global_batch_size}, mesh {mesh}, rules tfdist.layouts.transformer().",
+            f"{args.global_batch_size}, mesh {mesh}, rules tfdist.layouts.transformer(). Step times are measured "
+            f"inside `fit`: the median of the {args.steps} intervals between batch ends after {WARMUP} warm-up steps, "
+            f"one figure per variant and round; {args.rounds} rounds, the variants ({', '.join(times)}) interleaved "
+            "(each first, and right after each other, equally often), ratios taken round by round; medians over "
+            "rounds (min-max).",
             "",
             "| figure | value |",
             "|---|---|",
             f"| parameters + optimizer state, one device | {report.bytes_total / 2**20:.2f} MiB |",
             f"| on each mesh device | {per_device / 2**20:.2f} MiB |",
             f"| bytes per device / ideal (total / {model_axis}) | {per_device / ideal:.3f} (goal <= 1.05) |",
-            f"| step time mesh / one device (median of {args.rounds} rounds) | {statistics.median(ratios):.2f} |",
+            f"| step time: one device {statistics.median(times['single']) * 1e3:.1f} ms, mesh "
+            f"{statistics.median(mesh_times) * 1e3:.1f} ms | |",
+            f"| step time mesh / one device (median of per-round ratios, min-max) | {statistics.median(ratios):.2f} "
+            f"({min(ratios):.2f}-{max(ratios):.2f}) |",
             f"| last loss, one device vs mesh (same steps) | {losses['single']:.5f} vs {losses['mesh']:.5f} |",
             *rows,
             "",

@@ -1,8 +1,11 @@
 """Step time of tfdist.DataParallelStrategy vs raw tf.distribute.MirroredStrategy.
 
-Both strategies train the same model on the same devices in one process; rounds alternate
-which strategy goes first, and each round times a block of steps per strategy. The figure is
-the median over rounds of (tfdist step time / raw step time); goal <= 1.02.
+Both strategies train the same model on the same devices in one process. Each round runs one
+`fit` epoch per strategy, the order alternating from round to round, and takes its step time
+inside `fit`: the median of the intervals between batch ends after a warm-up of 2 steps
+(`benchmarks._timing`; a `fit()` call's wall time includes seconds of tf.data and iterator work
+after the last step). The figure is the median over rounds of (tfdist step time / raw step time)
+in the same round, with its min-max; goal <= 1.02.
 
     python -m benchmarks.overhead --devices 4 --rounds 7
 """
@@ -12,18 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from benchmarks import _timing  # noqa: E402
 from benchmarks._models import mlp  # noqa: E402
 
-
-def time_steps(model, dataset, steps):
-    """Seconds per step for `steps` steps (one epoch of fit, the model already traced)."""
-    start = time.perf_counter()
-    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False)
-    return (time.perf_counter() - start) / steps
+WARMUP = 2  # steps of each round's fit epoch before the timed ones
 
 
 def main(argv=None):
@@ -58,22 +56,26 @@ def main(argv=None):
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch_size).repeat().prefetch(2)
     models = {name: mlp(s, width=args.width, depth=args.depth) for name, s in strategies.items()}
     for model in models.values():  # trace and warm up
-        time_steps(model, dataset, 5)
+        _timing.fit_step_times(model, dataset, steps=3, warmup=WARMUP)
 
     names = list(models)
-    times = {name: [] for name in names}
-    for r in range(args.rounds):
-        order = names if r % 2 == 0 else names[::-1]
-        for name in order:
-            times[name].append(time_steps(models[name], dataset, args.steps))
+    times = _timing.interleaved(
+        {
+            name: lambda model=model: _timing.step_time(model, dataset, steps=args.steps, warmup=WARMUP)
+            for name, model in models.items()
+        },
+        args.rounds,
+    )
     raw, ours = names
     ratios = [t / b for t, b in zip(times[ours], times[raw])]
     median = statistics.median(ratios)
     body = (
         f"Model: MLP {args.depth}x{args.width} (+10-way head), SGD; global batch {args.global_batch_size} "
-        f"over {len(devices)} devices ({', '.join(devices)}); {args.rounds} rounds of {args.steps} steps, "
-        "order alternating.\n\n"
-        "| strategy | median step time (ms) | min-max (ms) |\n|---|---|---|\n"
+        f"over {len(devices)} devices ({', '.join(devices)}). Step times are measured inside `fit`: the median "
+        f"of the {args.steps} intervals between batch ends after {WARMUP} warm-up steps, one figure per round; "
+        f"{args.rounds} rounds, the strategies interleaved (the order alternating), medians over rounds (min-max); "
+        "the ratio is taken round by round.\n\n"
+        "| strategy | median step time (ms) | min-max over rounds (ms) |\n|---|---|---|\n"
         + "".join(
             f"| {name} | {1e3 * statistics.median(times[name]):.2f} | "
             f"{1e3 * min(times[name]):.2f}-{1e3 * max(times[name]):.2f} |\n"

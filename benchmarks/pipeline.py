@@ -1,12 +1,23 @@
 """Pipeline parallelism: measured bubble vs GPipe's (K-1)/(M+K-1), throughput vs M, stage balance.
 
-Bubble: a balanced 8-layer MLP under PipelineStrategy(stages=K, microbatches=M). One training step
-is traced with TensorFlow's profiler; every kernel execution is attributed to its device through the
-step's graph, and each device's busy time is the union of its kernels' intervals. Measured bubble =
-1 - mean over stages of (busy / step span). Median over rounds.
+A balanced 8-layer MLP is trained with `fit` under PipelineStrategy(stages=K, microbatches=M) for
+K = 4, 2 and M = 1, 2, 4, 8, next to a same-device control (the same micro-batching, every layer on
+one device). Step times are measured inside `fit`: the median of the intervals between batch ends
+after a warm-up of 2 steps (`benchmarks._timing`; a `fit()` call's wall time includes up to
+seconds of tf.data work after the last step), one figure per variant and round; the 12 variants'
+rounds are interleaved (`benchmarks._timing.interleaved`: each first, and right after each other,
+equally often), and every figure below is taken round by round, then
+its median and min-max over rounds.
 
-Throughput: examples/s of `fit` steps for M = 1, 2, 4, 8 on K stages, next to a same-device control
-(the same micro-batching with every stage on one device), as ratios to M = 1.
+Bubble, from the step times: the control does the stages' work for M micro-batches one after
+another on one device, with no bubble; the pipeline holds K devices for its step time. Bubble =
+1 - T(control, M) / (K x T(K stages, M)), the fraction of the pipeline's device-time its work does
+not fill, next to GPipe's (K-1)/(M+K-1). As a cross-check, the bubble is also profiled: one step
+traced with TensorFlow's profiler, every kernel execution attributed to its device through the
+step's graph, each device's busy time the union of its kernels' intervals; profiled bubble =
+1 - mean over stages of (busy / step span).
+
+Throughput: examples/s (global batch / step time) per M, as ratios to M = 1 of the same placement.
 
 Balance: max/mean stage cost of the naive split (equal layer counts) vs the balancer, for a
 deliberately unbalanced MLP and the reference transformer LM.
@@ -24,9 +35,15 @@ import os
 import re
 import statistics
 import tempfile
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from benchmarks import _timing  # noqa: E402
+
+WARMUP = 2  # steps of each round's fit epoch before the timed ones
+MS = (1, 2, 4, 8)
+PLACEMENTS = ("4 stages", "2 stages", "same device")
+STAGES = {"4 stages": 4, "2 stages": 2, "same device": 1}
 
 _EVENT = re.compile(r"^([^:#]+):(\w+)$")
 
@@ -118,24 +135,19 @@ def measure_bubble(k, m, *, width, depth, batch, rounds):
     return bubbles
 
 
-def fit_throughput(strategy, *, width, depth, batch, steps, rounds):
-    """Examples/s of `fit` over `steps` steps per round (after a warm-up epoch)."""
+def fit_model(strategy, *, width, depth, batch):
+    """The balanced MLP under `strategy`, traced and warmed up, and its dataset (repeated)."""
     import numpy as np
     import tensorflow as tf
 
     with strategy.scope():
         model = balanced_mlp(width, depth)
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(batch * steps, width)).astype("float32")
-    y = rng.integers(0, width, size=(batch * steps,)).astype("int32")
+    x = rng.normal(size=(batch * 4, width)).astype("float32")
+    y = rng.integers(0, width, size=(batch * 4,)).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True).repeat().prefetch(2)
-    model.fit(dataset, steps_per_epoch=3, epochs=1, verbose=0)
-    rates = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0)
-        rates.append(batch * steps / (time.perf_counter() - start))
-    return rates
+    _timing.fit_step_times(model, dataset, steps=1, warmup=WARMUP)
+    return model, dataset
 
 
 def balance_rows(quick):
@@ -175,35 +187,46 @@ def main(argv=None):
     devices = tfdist.devices.default_devices()
     shape = {"width": args.width, "depth": args.depth, "batch": args.batch}
 
+    profiled = {}
+    for k in (2, 4):
+        for m in MS:
+            profiled[(k, m)] = measure_bubble(k, m, rounds=rounds, **shape)
+            print(f"profiled bubble K={k} M={m}: {statistics.median(profiled[(k, m)]):.3f}", flush=True)
+
+    runs = {}
+    for m in MS:
+        for label in PLACEMENTS:
+            devs = devices[:1] if label == "same device" else None
+            strategy = tfdist.PipelineStrategy(stages=STAGES[label], microbatches=m, devices=devs)
+            runs[(label, m)] = fit_model(strategy, **shape)
+    times = _timing.interleaved(
+        {key: lambda run=run: _timing.step_time(*run, steps=steps, warmup=WARMUP) for key, run in runs.items()},
+        rounds,
+    )
+    for m in MS:
+        print(f"M={m} step time: " + ", ".join(
+            f"{label} {statistics.median(times[(label, m)]) * 1e3:.1f} ms" for label in PLACEMENTS), flush=True)
     bubble_rows = []
     for k in (2, 4):
-        for m in (1, 2, 4, 8):
-            b = measure_bubble(k, m, rounds=rounds, **shape)
-            bubble_rows.append((k, m, statistics.median(b), min(b), max(b), theory(k, m), b))
-            print(f"bubble K={k} M={m}: measured {statistics.median(b):.3f} theory {theory(k, m):.3f}", flush=True)
-
-    throughput = {}
-    for m in (1, 2, 4, 8):
-        for label, k, devs in (("4 stages", 4, None), ("2 stages", 2, None), ("same device", 1, devices[:1])):
-            strategy = tfdist.PipelineStrategy(stages=k, microbatches=m, devices=devs)
-            throughput[(label, m)] = fit_throughput(strategy, steps=steps, rounds=rounds, **shape)
-            print(f"throughput {label} M={m}: {statistics.median(throughput[(label, m)]):.0f} ex/s", flush=True)
+        for m in MS:
+            pipe, control = times[(f"{k} stages", m)], times[("same device", m)]
+            b = [1 - c / (k * p) for p, c in zip(pipe, control)]
+            bubble_rows.append({"k": k, "m": m, "fit": b, "profiled": profiled[(k, m)], "theory": theory(k, m)})
+            print(f"bubble K={k} M={m}: from step times {statistics.median(b):.3f}, theory {theory(k, m):.3f}",
+                  flush=True)
 
     balance = balance_rows(args.quick)
-    body = _report(bubble_rows, throughput, balance, devices, shape, rounds, steps)
+    body = _report(bubble_rows, times, balance, devices, shape, rounds, steps)
     print(body)
     if not args.no_write:
         from benchmarks import _results
 
-        _plot(bubble_rows, throughput, _results.plot_path("pipeline"))
-        k4m4 = next(r for r in bubble_rows if r[:2] == (4, 4))
-        gain = [
-            (p4 / p1) / (c4 / c1)
+        _plot(bubble_rows, times, _results.plot_path("pipeline"))
+        k4m4 = next(r for r in bubble_rows if (r["k"], r["m"]) == (4, 4))
+        gain = [  # (4-stage speed-up from M=1 to M=4) / (the control's), round by round
+            (p1 / p4) / (c1 / c4)
             for p1, p4, c1, c4 in zip(
-                throughput[("4 stages", 1)],
-                throughput[("4 stages", 4)],
-                throughput[("same device", 1)],
-                throughput[("same device", 4)],
+                times[("4 stages", 1)], times[("4 stages", 4)], times[("same device", 1)], times[("same device", 4)]
             )
         ]
         mlp = balance[0]
@@ -212,7 +235,10 @@ def main(argv=None):
             _results.command("pipeline", argv),
             body,
             figures=[
-                _results.figure("pipeline bubble measured / GPipe theory, K=4 M=4", [b / k4m4[5] for b in k4m4[6]]),
+                _results.figure(
+                    "pipeline bubble (in-fit step times) / GPipe theory, K=4 M=4",
+                    [b / k4m4["theory"] for b in k4m4["fit"]],
+                ),
                 _results.figure("M=4 speed-up, 4-stage pipeline / same-device control", gain),
                 _results.figure("stage max/mean, balancer / naive split (unbalanced MLP)", [mlp[3] / mlp[2]]),
             ],
@@ -221,33 +247,51 @@ def main(argv=None):
     return bubble_rows
 
 
-def _report(bubble_rows, throughput, balance, devices, shape, rounds, steps):
-    labels = ("4 stages", "2 stages", "same device")
+def _spread(values, fmt=".3f") -> str:
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def _report(bubble_rows, times, balance, devices, shape, rounds, steps):
+    def rate(label, m):  # examples/s per round
+        return [shape["batch"] / t for t in times[(label, m)]]
+
     lines = [
-        f"Bubble and throughput: a balanced MLP of {shape['depth']} Dense({shape['width']}) layers, SGD, global "
-        f"batch {shape['batch']}, on {devices[:4]}; medians of {rounds} rounds (min-max).",
+        f"A balanced MLP of {shape['depth']} Dense({shape['width']}) layers, SGD, global batch {shape['batch']}, "
+        f"on {devices[:4]}. Step times are measured inside `fit`: the median of the {steps} intervals between "
+        f"batch ends after {WARMUP} warm-up steps, one figure per variant and round; {rounds} rounds, the "
+        f"{len(times)} variants (K stages or the same-device control, x M) interleaved (each first, and right "
+        "after each other, equally often), every figure taken round by round; medians over rounds (min-max).",
         "",
-        "| K stages | M micro-batches | measured bubble | min-max | GPipe (K-1)/(M+K-1) | measured / theory |",
+        "Bubble from the step times: 1 - T(same device, M) / (K x T(K stages, M)); profiled: 1 - mean over "
+        "stages of kernel busy time / step span, from one traced step per round (a cross-check).",
+        "",
+        "| K stages | M micro-batches | bubble from step times (min-max) | GPipe (K-1)/(M+K-1) | measured / theory "
+        "| profiled bubble (min-max) |",
         "|---|---|---|---|---|---|",
     ]
-    for k, m, med, lo, hi, th, _ in bubble_rows:
+    for row in bubble_rows:
+        med, th = statistics.median(row["fit"]), row["theory"]
         ratio = f"{med / th:.2f}" if th else "(theory 0)"
-        lines.append(f"| {k} | {m} | {med:.3f} | {lo:.3f}-{hi:.3f} | {th:.3f} | {ratio} |")
+        lines.append(
+            f"| {row['k']} | {row['m']} | {_spread(row['fit'])} | {th:.3f} | {ratio} | {_spread(row['profiled'])} |"
+        )
     lines += [
         "",
-        f"Throughput, examples/s of fit ({steps} steps per round) as a ratio to M = 1 of the same placement:",
+        "Step time (ms) and throughput (examples/s = global batch / step time), as a ratio to M = 1 of the same "
+        "placement (per round):",
         "",
-        "| M | " + " | ".join(f"{label} (ex/s)" for label in labels) + " | "
-        + " | ".join(f"{label} / M=1" for label in labels) + " |",
-        "|---" * (1 + 2 * len(labels)) + "|",
+        "| M | " + " | ".join(f"{label} step ms" for label in PLACEMENTS) + " | "
+        + " | ".join(f"{label} ex/s" for label in PLACEMENTS) + " | "
+        + " | ".join(f"{label} / M=1" for label in PLACEMENTS) + " |",
+        "|---" * (1 + 3 * len(PLACEMENTS)) + "|",
     ]
-    for m in (1, 2, 4, 8):
-        rates = [statistics.median(throughput[(label, m)]) for label in labels]
-        base = [statistics.median(throughput[(label, 1)]) for label in labels]
-        lines.append(
-            f"| {m} | " + " | ".join(f"{r:.0f}" for r in rates) + " | "
-            + " | ".join(f"{r / b:.2f}" for r, b in zip(rates, base)) + " |"
-        )
+    for m in MS:
+        cells = [_spread([t * 1e3 for t in times[(label, m)]], ".1f") for label in PLACEMENTS]
+        cells += [f"{statistics.median(rate(label, m)):.0f}" for label in PLACEMENTS]
+        cells += [
+            f"{statistics.median([a / b for a, b in zip(rate(label, m), rate(label, 1))]):.2f}" for label in PLACEMENTS
+        ]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Stage balance, 4 stages (max/mean stage cost; 1.00 is perfect):",
@@ -261,7 +305,9 @@ def _report(bubble_rows, throughput, balance, devices, shape, rounds, steps):
     lines += [
         "What simulated devices can show: the 4 logical CPU devices share this host's cores, so stages "
         "cannot all compute at once; the measured bubble therefore includes waiting for a core (with 2 "
-        "cores and 4 stages at most half of the stage-time can be busy; more micro-batches also mean "
+        "cores and 4 stages at most half of the stage-time can be busy; and the bubble from step times sets "
+        "the pipeline's K devices against a control whose one device already runs its ops on every core, so "
+        "on one host it stays above GPipe's however many micro-batches; more micro-batches also mean "
         "smaller matrix products and more ops, whose fixed cost a CPU feels), and part of the micro-batch "
         "speed-up comes from TensorFlow running independent ops at once, not from placement: the "
         "same-device control (every stage on one device, same micro-batching) gains from M too. The "
@@ -271,27 +317,31 @@ def _report(bubble_rows, throughput, balance, devices, shape, rounds, steps):
     return "\n".join(lines)
 
 
-def _plot(bubble_rows, throughput, path):
+def _plot(bubble_rows, times, path):
     from benchmarks import _results
 
     plt = _results.pyplot()
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for k, marker, color in ((2, "o", "tab:blue"), (4, "s", "tab:orange")):
-        rows = [r for r in bubble_rows if r[0] == k]
-        ms = [r[1] for r in rows]
-        left.plot(ms, [r[2] for r in rows], marker=marker, color=color, label=f"K={k} measured")
-        left.plot(ms, [r[5] for r in rows], marker=marker, color=color, linestyle="--", label=f"K={k} GPipe theory")
+        rows = [r for r in bubble_rows if r["k"] == k]
+        ms = [r["m"] for r in rows]
+        med = [statistics.median(r["fit"]) for r in rows]
+        err = [[m - min(r["fit"]) for m, r in zip(med, rows)], [max(r["fit"]) - m for m, r in zip(med, rows)]]
+        left.errorbar(ms, med, yerr=err, marker=marker, color=color, capsize=3, label=f"K={k} from step times")
+        left.plot(ms, [statistics.median(r["profiled"]) for r in rows], marker=marker, color=color, linestyle=":",
+                  alpha=0.6, label=f"K={k} profiled")
+        left.plot(ms, [r["theory"] for r in rows], marker=marker, color=color, linestyle="--",
+                  label=f"K={k} GPipe theory")
     left.set(xscale="log", xlabel="micro-batches M", ylabel="bubble fraction", title="Pipeline bubble")
-    left.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+    left.set_xticks(list(MS), [str(m) for m in MS])
     left.minorticks_off()
-    left.legend()
-    for label in ("4 stages", "2 stages", "same device"):
-        ms = [1, 2, 4, 8]
-        base = statistics.median(throughput[(label, 1)])
-        right.plot(ms, [statistics.median(throughput[(label, m)]) / base for m in ms], marker="o", label=label)
+    left.legend(fontsize=7)
+    for label in PLACEMENTS:
+        ratios = [statistics.median([a / b for a, b in zip(times[(label, 1)], times[(label, m)])]) for m in MS]
+        right.plot(list(MS), ratios, marker="o", label=label)
     right.set(xscale="log", xlabel="micro-batches M", ylabel="examples/s / (M=1)", title="Throughput vs M")
-    right.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+    right.set_xticks(list(MS), [str(m) for m in MS])
     right.minorticks_off()
     right.legend()
     fig.tight_layout()

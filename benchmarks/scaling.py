@@ -3,9 +3,12 @@
 Weak scaling, as Horovod reports it: each device keeps the same per-device batch, so N devices
 train a global batch N times larger. Each model is trained with `model.fit` under
 `tfdist.DataParallelStrategy` over the first 1, 2, 4, ... devices (GPUs when the host has any,
-else simulated CPUs), in one process; every round times a block of steps on each N, alternating
-the order. Efficiency(N) = examples/s on N / (N x examples/s on 1), both from the same round;
-the figures are medians over rounds with min-max.
+else simulated CPUs), in one process. Every round runs one `fit` epoch on each N, the order
+changing from round to round (`benchmarks._timing.interleaved`), and takes its step time inside `fit`: the median of the
+intervals between batch ends after a warm-up of 2 steps (`benchmarks._timing`; not a `fit()`
+call's wall time, which includes seconds of tf.data work after the last step). examples/s =
+global batch / step time; efficiency(N) = examples/s on N / (N x examples/s on 1), both from the
+same round; the figures are medians over rounds with min-max.
 
 Models: `tfdist.models.transformer_lm` (seq_len 64, d_model 128, 2 layers, Adam) and the
 benchmarks' MLP (3 x Dense(512), SGD).
@@ -19,10 +22,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from benchmarks import _timing  # noqa: E402
+
+WARMUP = 2  # steps of each round's fit epoch before the timed ones
 LM = {"seq_len": 64, "vocab_size": 256, "d_model": 128, "num_heads": 4, "num_layers": 2}
 MLP = {"width": 512, "depth": 3}
 
@@ -58,12 +63,6 @@ def dataset(kind: str, global_batch: int):
         x = rng.integers(0, LM["vocab_size"], size=(n, LM["seq_len"])).astype("int32")
         y = rng.integers(0, LM["vocab_size"], size=(n, LM["seq_len"])).astype("int32")
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch).repeat().prefetch(2)
-
-
-def time_steps(model, data, steps: int) -> float:
-    start = time.perf_counter()
-    model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
-    return (time.perf_counter() - start) / steps
 
 
 def plot(curves: dict, path: str) -> None:
@@ -125,13 +124,15 @@ def main(argv=None):
             strategy = tfdist.DataParallelStrategy(devices=devices[:n])
             model = build(kind, strategy)
             data = dataset(kind, per_device[kind] * n)
-            time_steps(model, data, 3)  # trace and warm up
+            _timing.fit_step_times(model, data, steps=1, warmup=WARMUP)  # trace and warm up
             runs[n] = (model, data)
+        times = _timing.interleaved(
+            {n: lambda run=run: _timing.step_time(*run, steps=steps, warmup=WARMUP) for n, run in runs.items()},
+            rounds,
+        )
         points = {n: {"rate": [], "eff": []} for n in counts}
         for r in range(rounds):
-            rates = {}
-            for n in counts if r % 2 == 0 else counts[::-1]:
-                rates[n] = per_device[kind] * n / time_steps(*runs[n], steps)
+            rates = {n: per_device[kind] * n / times[n][r] for n in counts}
             for n in counts:
                 points[n]["rate"].append(rates[n])
                 points[n]["eff"].append(rates[n] / (n * rates[1]))
@@ -162,7 +163,10 @@ def main(argv=None):
     body = (
         f"Weak scaling over {where}: per-device batch LM {per_device['LM']} sequences of {LM['seq_len']} tokens "
         f"(transformer_lm d_model {LM['d_model']}, {LM['num_layers']} layers, Adam), MLP {per_device['MLP']} examples "
-        f"(3 x Dense(512), SGD); {rounds} rounds of {steps} steps per N, order alternating; medians (min-max).\n\n"
+        f"(3 x Dense(512), SGD). Step times are measured inside `fit`: the median of the {steps} intervals between "
+        f"batch ends after {WARMUP} warm-up steps, one figure per N and round; {rounds} rounds, the N interleaved "
+        "(each first, and right after each other, equally often), efficiency taken round by round; medians over "
+        "rounds (min-max).\n\n"
         "| model | devices | global batch | examples/s | efficiency |\n|---|---|---|---|---|\n"
         + "\n".join(rows)
         + f"\n\n**Scaling efficiency at N={counts[-1]}: {kinds}** (1.0 = linear; Horovod publishes ~0.9 on GPUs).\n\n"
