@@ -34,6 +34,7 @@ else:
     strategy = tf.distribute.get_strategy()
     rank = 0
 
+import _xla  # noqa: E402
 import keras  # noqa: E402
 
 rng = np.random.default_rng(0)
@@ -65,6 +66,7 @@ with strategy.scope():
         loss="mse",
         metrics=["mae"],
         steps_per_execution=int(OPTS.get("spe", 1)),
+        jit_compile=bool(OPTS.get("jit")),
     )
 if OPTS.get("tfdata"):  # a user's in-memory tf.data pipeline, batched by the global batch
     import tensorflow as tf
@@ -91,5 +93,7 @@ np.savez(
     val_loss=np.array(history.history.get("val_loss", [])),
     eval_loss=np.array(ev["loss"]),
     pred=pred,
+    # XLA-compiled calls in the traced train step (tests/_xla.py), one per replica when jit_compile.
+    xla_calls=np.array(len(_xla.compiled_calls(model.train_function))),
 )
 print("done", flush=True)

@@ -26,6 +26,8 @@ CONFIGS = {
     "features": {"n": 23, "spe": 2, "clip": 0.5, "val": 1},  # steps_per_execution, clipnorm, validation
     # gradient accumulation over 3 steps (each worker accumulates locally, all-reduces on the update step)
     "accumulate": {"n": 23, "accum": 3, "clip": 0.5},
+    # jit_compile=True: each worker's replica step compiled with XLA (the reference compiled too)
+    "xla": {"n": 23, "jit": 1, "clip": 0.5},
 }
 
 
@@ -56,6 +58,7 @@ def _weights(result):
         (2, "n23", "1"),  # an in-memory tf.data pipeline batched by the global batch
         (2, "features", ""),
         (2, "accumulate", ""),
+        (2, "xla", ""),
     ],
 )
 def test_fit_evaluate_predict_match_single_process(procs, references, tmp_path, num_workers, config, tfdata):
@@ -79,6 +82,7 @@ def test_fit_evaluate_predict_match_single_process(procs, references, tmp_path, 
         np.testing.assert_allclose(r["eval_loss"], ref["eval_loss"], rtol=1e-5)
         np.testing.assert_allclose(r["val_loss"], ref["val_loss"], rtol=1e-5)
         np.testing.assert_allclose(r["pred"], ref["pred"], rtol=0, atol=ATOL)
+        assert int(r["xla_calls"]) == (1 if config == "xla" else 0)
     # The reference itself moved: the comparison is not trivially true.
     assert max(np.abs(w).max() for w in _weights(ref)) > 0.1
 

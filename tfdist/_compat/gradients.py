@@ -5,7 +5,12 @@
 `colocate_gradients_with_ops` for `tf.gradients` only; for tapes, the hook
 re-registers the tape's gradient function with a wrapper that, while
 `layer_call.stage_devices` is active (a PipelineStrategy step), enters the
-forward op's device. Checked on TensorFlow 2.21.
+forward op's device. A tf.function call (an XLA-compiled stage layer) records a
+backward function of its own on the tape, not through that registry: while
+staging, `_DelayedRewriteGradientFunctions._backward` (graph building) and
+`_TapeGradientFunctions._wrap_backward_function` return one that calls the
+backward function on the forward call's device. Checked on
+TensorFlow 2.21.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop as tf_backprop
+from tensorflow.python.eager.polymorphic_function import concrete_function as tf_concrete_function
 
 from tfdist._compat import layer_call
 from tfdist._compat._hook import hook
@@ -52,6 +58,35 @@ def _colocated_gradient_function(
         return _original_gradient_function(*args)
 
 
+_delayed_functions = tf_concrete_function._DelayedRewriteGradientFunctions
+_tape_functions = tf_concrete_function._TapeGradientFunctions
+_original_delayed_backward = _delayed_functions._backward
+_original_wrap_backward_function = _tape_functions._wrap_backward_function
+
+
+def _on_forward_device(backward_function, outputs):
+    """`backward_function`, called on the device of the call op producing `outputs` while staging."""
+    device = outputs[0].op.device if layer_call.staging() and outputs and hasattr(outputs[0], "op") else ""
+    if not device:
+        return backward_function
+
+    def on_forward_device(*args):
+        with tf.device(device):
+            return backward_function(*args)
+
+    return on_forward_device
+
+
+def _delayed_backward(self, outputs):
+    backward_function, recorded = _original_delayed_backward(self, outputs)
+    return _on_forward_device(backward_function, outputs), recorded
+
+
+def _wrap_backward_function(self, forward_graph, backward, outputs):
+    backward_function, recorded = _original_wrap_backward_function(self, forward_graph, backward, outputs)
+    return _on_forward_device(backward_function, outputs), recorded
+
+
 HOOKS = (
     hook(
         "gradient_function",
@@ -60,6 +95,20 @@ HOOKS = (
         "pipeline",
         patch=(tf_backprop, "_gradient_function", _colocated_gradient_function),
         after=lambda: pywrap_tfe.TFE_Py_RegisterGradientFunction(_colocated_gradient_function),
+    ),
+    hook(
+        "function_gradient_delayed",
+        _original_delayed_backward,
+        ("def _backward_function(*args):", "return _backward_function, outputs"),
+        "pipeline",
+        patch=(_delayed_functions, "_backward", _delayed_backward),
+    ),
+    hook(
+        "function_gradient",
+        _original_wrap_backward_function,
+        ("def _backward_function_wrapper(*args):", "return _backward_function_wrapper, recorded_outputs"),
+        "pipeline",
+        patch=(_tape_functions, "_wrap_backward_function", _wrap_backward_function),
     ),
     hook("gradient_registration", tf_backprop, ("TFE_Py_RegisterGradientFunction(_gradient_function)",), "pipeline"),
 )

@@ -4,6 +4,11 @@
   PipelineStrategy step), `Layer.__call__` enters the device of the stage that
   owns the layer (a `tf.device` around Keras' own `__call__`), so each stage's
   forward ops run where its weights live; sublayers inherit the scope.
+  With `compiled_stages()` active as well (a model with `jit_compile=True`),
+  each such layer's call is an XLA-compiled function on its stage's device
+  (one per layer and device, traced once per step; its gradient is compiled
+  too); the losses its layers add and its outputs' Keras masks are carried out
+  of the compiled function.
 * A Keras model remembers the strategy it was created under
   (`_distribute_strategy`); when that is a tfdist strategy, calling the model
   goes to its `TfdistExtended._tfdist_call_model` with Keras' own `__call__`.
@@ -41,11 +46,51 @@ def staging() -> bool:
     return bool(getattr(_state, "devices", None))
 
 
+def compiled_stages():
+    """While active on this thread (inside `stage_devices`), staged layers' calls are XLA-compiled."""
+    return thread_local_scope(_state, "compiled", {})
+
+
+def _compiled_call(self, device, args, kwargs):
+    """`self(*args, **kwargs)` as one XLA-compiled function on `device` (sublayers run inside it)."""
+    cache = _state.compiled
+    layers = list(self._flatten_layers())
+
+    def body(*a, **kw):
+        before = [len(layer._losses) for layer in layers]
+        _state.inside = True
+        try:
+            outputs = _original_layer_call(self, *a, **kw)
+        finally:
+            _state.inside = False
+        masks = tf.nest.map_structure(lambda o: getattr(o, "_keras_mask", None), outputs)
+        losses = [list(layer._losses[n:]) for layer, n in zip(layers, before)]
+        return outputs, masks, losses
+
+    key = (id(self), device)
+    if key not in cache:
+        cache[key] = tf.function(body, jit_compile=True, autograph=False)
+    before = [len(layer._losses) for layer in layers]
+    outputs, masks, losses = cache[key](*args, **kwargs)
+    for layer, n, added in zip(layers, before, losses):
+        del layer._losses[n:]  # tensors of the compiled function's graph, if its trace added any
+        layer._losses.extend(added)
+
+    def with_mask(output, mask):
+        if mask is not None:
+            output._keras_mask = mask
+        return output
+
+    return tf.nest.map_structure(with_mask, outputs, masks)
+
+
 def _layer_call(self, *args, **kwargs):
     devices = getattr(_state, "devices", None)
     device = devices.get(id(self)) if devices else None
     if device is not None:
         with tf.device(device):
+            if getattr(_state, "compiled", None) is not None and not getattr(_state, "inside", False):
+                return _compiled_call(self, device, args, kwargs)
             return _original_layer_call(self, *args, **kwargs)
     extended = _extended.extended_of(getattr(self, "_distribute_strategy", None))
     if extended is None:

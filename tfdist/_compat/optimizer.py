@@ -11,6 +11,9 @@ was created under;
 `LossScaleOptimizer.apply` (which does not go through the base class') first
 asks for the micro-batch sum (`_tfdist_accumulate_microbatch`), so its
 loss-scale check and unscaling see the whole step's gradient.
+Inside a replica step compiled with XLA, each `apply` is first offered to
+`_tfdist_defer_apply` (it runs after the compiled part: its all-reduce cannot
+run inside one device's XLA cluster).
 `rekey` re-indexes an optimizer whose tf.Variables were replaced. Checked on
 Keras 3.15.
 """
@@ -38,8 +41,10 @@ def _apply(self, grads, trainable_variables=None):
     def keras_apply(g):
         return _original_apply(self, g, trainable_variables)
 
-    lazy_build.build_optimizer(self, trainable_variables)
     extended = _extended.in_replica()
+    if extended is not None and extended._tfdist_defer_apply(lambda g: self.apply(g, trainable_variables), grads):
+        return None
+    lazy_build.build_optimizer(self, trainable_variables)
     if extended is not None:
         return extended._tfdist_apply_gradients(
             grads, keras_apply, accumulates=bool(self.gradient_accumulation_steps)
@@ -66,6 +71,8 @@ def _all_reduce_sum_gradients(self, grads_and_vars):
 
 def _loss_scale_apply(self, grads, trainable_variables=None):
     extended = _extended.in_replica()
+    if extended is not None and extended._tfdist_defer_apply(lambda g: self.apply(g, trainable_variables), grads):
+        return None
     if extended is not None:
         grads = extended._tfdist_accumulate_microbatch(list(grads))
         if grads is None:
@@ -138,7 +145,7 @@ HOOKS = (
         "loss_scale_apply",
         _original_loss_scale_apply,
         ("def apply(self, grads, trainable_variables=None):", "self._tf_apply(grads, trainable_variables)"),
-        "pipeline",
+        *EXACT,
         patch=(_loss_scale_optimizer, "apply", _loss_scale_apply),
     ),
     hook(

@@ -13,6 +13,14 @@ the multi-worker reduction of step outputs, and `*_on_batch` inputs.
   fails at run time under any MirroredStrategy ("You must feed a value for
   placeholder tensor 'while/cond/Placeholder'"). Under a strategy with
   `_tfdist_inline_steps` the step is traced inline (same ops, no nesting).
+* XLA. Keras compiles `one_step_on_data` (the whole `strategy.run`) as one
+  XLA cluster: under any MirroredStrategy that fails ("Trying to access
+  resource ... located in device CPU:1 from device CPU:0"), and DTensor
+  ignores it. For a model with `jit_compile=True` the strategy's
+  `_tfdist_jit_compile` decides (it compiles each replica's step itself, or
+  raises) and Keras' compilation of the whole function is off. Keras'
+  `jit_compile="auto"` asks `_tfdist_auto_jit` (Keras turns XLA off under any
+  tf.distribute strategy).
 * `keras_step(fn)`: which model's train/test/predict step `fn` is.
 * Multi-worker: Keras' `reduce_per_replica` reduces the "mean" of step outputs
   (scalar metric results) with `strategy.reduce(..., axis=0)`, which fails on
@@ -81,29 +89,72 @@ _original_make_function = _trainer._make_function
 _make_function_lock = threading.Lock()
 
 
-class _InlineStepTensorFlow:
-    """Stands in for the `tf` module inside Keras' trainer while it builds a step function."""
+class _StepTensorFlow:
+    """Stands in for the `tf` module inside Keras' trainer while it builds a step function.
+
+    Its `tf.function` of `one_step_on_data` returns the function itself (`inline`), or a
+    tf.function without Keras' `jit_compile`.
+    """
+
+    def __init__(self, *, inline: bool):
+        self._inline = inline
 
     def __getattr__(self, name):
         return getattr(tf, name)
 
-    @staticmethod
-    def function(func=None, **kwargs):
+    def function(self, func=None, **kwargs):
         if func is not None and getattr(func, "__name__", "") == "one_step_on_data":
-            return func
+            if self._inline:
+                return func
+            kwargs["jit_compile"] = False
         return tf.function(func, **kwargs) if func is not None else tf.function(**kwargs)
 
 
 def _make_function(self, step_function):
     extended = _extended.extended_of(self._distribute_strategy)
-    if extended is None or not extended._tfdist_inline_steps or self.steps_per_execution == 1:
+    if extended is None:
+        return _original_make_function(self, step_function)
+    compiled = not self.run_eagerly and bool(self.jit_compile)
+    if compiled:
+        extended._tfdist_jit_compile(self)
+    inline = extended._tfdist_inline_steps and self.steps_per_execution > 1
+    if not inline and not compiled:
         return _original_make_function(self, step_function)
     with _make_function_lock:
-        keras_tf_trainer.tf = _InlineStepTensorFlow()
+        keras_tf_trainer.tf = _StepTensorFlow(inline=inline)
         try:
             return _original_make_function(self, step_function)
         finally:
             keras_tf_trainer.tf = tf
+
+
+# ------------------------------------------------------------------ XLA: predict, "auto"
+_original_make_predict_function = _trainer.make_predict_function
+_original_resolve_auto_jit_compile = _trainer._resolve_auto_jit_compile
+
+
+def _make_predict_function(self, force=False):
+    # Keras compiles the predict step inside `strategy.run` (per replica) already; a strategy that
+    # cannot compile says so here, one whose replicas span devices gets it uncompiled.
+    extended = _extended.extended_of(self._distribute_strategy)
+    if extended is None or self.run_eagerly or not self.jit_compile:
+        return _original_make_predict_function(self, force=force)
+    extended._tfdist_jit_compile(self)
+    if extended._tfdist_compiles_replicas:
+        return _original_make_predict_function(self, force=force)
+    with _make_function_lock:  # a replica spans devices: the strategy compiles parts of it
+        keras_tf_trainer.tf = _StepTensorFlow(inline=False)
+        try:
+            return _original_make_predict_function(self, force=force)
+        finally:
+            keras_tf_trainer.tf = tf
+
+
+def _resolve_auto_jit_compile(self):
+    extended = _extended.extended_of(self._distribute_strategy)
+    if extended is None:
+        return _original_resolve_auto_jit_compile(self)
+    return extended._tfdist_auto_jit(self)
 
 
 # ------------------------------------------------------------------ which step is running
@@ -196,9 +247,28 @@ HOOKS = (
     hook(
         "inline_step",
         _original_make_function,
-        ("def one_step_on_data(data):", "one_step_on_data = tf.function(", "tf.while_loop("),
-        *EXACT,
+        (
+            "def one_step_on_data(data):",
+            "one_step_on_data = tf.function(",
+            "jit_compile=self.jit_compile",
+            "tf.while_loop(",
+        ),
+        *_ALL,
         patch=(_trainer, "_make_function", _make_function),
+    ),
+    hook(
+        "predict_jit",
+        _original_make_predict_function,
+        ("if not self.run_eagerly and self.jit_compile:", "jit_compile=True", "distribute_strategy.run("),
+        *_ALL,
+        patch=(_trainer, "make_predict_function", _make_predict_function),
+    ),
+    hook(
+        "auto_jit",
+        _original_resolve_auto_jit_compile,
+        ("if self._distribute_strategy:", "model_supports_jit(self)"),
+        *_ALL,
+        patch=(_trainer, "_resolve_auto_jit_compile", _resolve_auto_jit_compile),
     ),
     hook(
         "predict_closure",

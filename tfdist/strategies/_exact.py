@@ -22,11 +22,21 @@ hook in `tfdist._compat` that hands the decision here:
    clipping, accumulation, weight decay and EMA behave as on one device.
 3. The symbolic build from the element spec and `steps_per_execution > 1`
    traced inline (`_tfdist_inline_steps`) are the trainer hooks' part.
+4. XLA. Keras compiles `strategy.run` as one XLA cluster, which cannot reach
+   the other replicas' variables ("Trying to access resource ... located in
+   device CPU:1 from device CPU:0"). For a model compiled with
+   `jit_compile=True` the trainer hook turns that off and each replica's
+   train/test step is compiled on its own device (`_tfdist_compiled_step`):
+   the forward pass, loss, gradients and metric updates in one XLA cluster per
+   replica; the optimizer's `apply` met inside is recorded
+   (`_tfdist_defer_apply`) and runs after it in the same replica, so the
+   all-reduce and the update are the ones of the uncompiled step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import tensorflow as tf
@@ -131,6 +141,9 @@ class ExactReplicas(_extended.TfdistExtended):
     """
 
     _tfdist_inline_steps = True
+    # Whether a Keras step of a `jit_compile=True` model is compiled per replica (PipelineStrategy
+    # compiles per stage instead: a replica's step spans devices).
+    _tfdist_compiles_replicas = True
 
     def __init__(self, *args, gradient_dtype: str | None = None, **kwargs):
         self._tfdist_gradient_dtype = wire_dtype(gradient_dtype)
@@ -200,6 +213,58 @@ class ExactReplicas(_extended.TfdistExtended):
             return eagerly()
         return context.merge_call(eagerly)
 
+    # ---------------------------------------------------------------- XLA
+    def _tfdist_jit_compile(self, model) -> None:
+        del model  # supported: `_call_for_each_replica` compiles each replica's step
+
+    def _tfdist_auto_jit(self, model) -> bool:
+        # Keras' rule for one device (XLA on accelerators, if every layer supports it), which it turns
+        # off under any tf.distribute strategy because of the one-cluster compile this runtime avoids.
+        from keras.src.trainers import trainer as keras_trainer_lib
+
+        on_accelerators = all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in self.worker_devices)
+        return on_accelerators and keras_trainer_lib.model_supports_jit(model)
+
+    def _tfdist_defer_apply(self, apply, grads) -> bool:
+        deferred = getattr(self._tfdist_flags(), "deferred", None)
+        if deferred is None:
+            return False
+        deferred.append((apply, list(grads)))
+        return True
+
+    def _tfdist_compiled_step(self, fn):
+        """`fn` (one replica's Keras step) compiled with XLA on the replica's device, applies after it.
+
+        Each replica thread traces its own `tf.function(jit_compile=True)` (its variables live on its
+        device). The gradients of every `optimizer.apply` met while tracing are outputs of the compiled
+        function; the recorded applies then run on them, in order, outside it.
+        """
+
+        @autograph.do_not_convert
+        @functools.wraps(fn)  # still the model's step to `keras_trainer.keras_step`
+        def compiled_step(*args, **kwargs):
+            flags = self._tfdist_flags()
+            recorded = []
+
+            def body(*a, **kw):
+                flags.deferred = []
+                try:
+                    outputs = fn(*a, **kw)
+                    applies = flags.deferred
+                finally:
+                    flags.deferred = None
+                recorded[:] = applies
+                grads = [[g for g in grads if g is not None] for _, grads in applies]
+                return outputs, grads
+
+            outputs, present = tf.function(body, jit_compile=True, autograph=False)(*args, **kwargs)
+            for (apply, traced), grads in zip(recorded, present):
+                grads = iter(grads)
+                apply([None if g is None else next(grads) for g in traced])
+            return outputs
+
+        return compiled_step
+
     # ---------------------------------------------------------------- one apply per step
     @contextlib.contextmanager
     def _tfdist_cross_replica_apply(self):
@@ -248,6 +313,10 @@ class ExactReplicas(_extended.TfdistExtended):
 
     # ---------------------------------------------------------------- replicas
     def _call_for_each_replica(self, fn, args, kwargs):
+        if self._tfdist_compiles_replicas:
+            model, kind = keras_trainer.keras_step(fn)
+            if model is not None and kind in ("train", "test") and model.jit_compile:
+                fn = self._tfdist_compiled_step(fn)
         prepared = self._tfdist_prepare_replicas(fn, args, kwargs or {})
         if prepared is None:
             return super()._call_for_each_replica(fn, args, kwargs)

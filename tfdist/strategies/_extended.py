@@ -18,6 +18,9 @@ defaults keep Keras' own behaviour; each strategy overrides what it changes.
 | `_tfdist_build_eagerly()`         | a layer / optimizer built inside a traced step     | build in the graph    |
 | `_tfdist_inline_steps`            | Keras' multi-step function                         | False: Keras' nesting |
 | `_tfdist_call_model()`            | `model(...)` of a model created under the strategy | Keras' call           |
+| `_tfdist_defer_apply()`           | `optimizer.apply` inside an XLA-compiled replica   | False: apply there    |
+| `_tfdist_jit_compile()`           | a step of a model compiled with `jit_compile=True` | raise: no XLA         |
+| `_tfdist_auto_jit()`              | Keras' `jit_compile="auto"`                        | False                 |
 
 Outside a replica context (`in_replica()` is None) is where a custom loop without
 `strategy.run` calls the model and the optimizer (DTensor style), in the
@@ -45,6 +48,8 @@ class TfdistExtended:
     # steps_per_execution > 1: whether Keras' per-step tf.function is traced inline into its loop
     # (MirroredStrategy fails on the nested function at run time).
     _tfdist_inline_steps = False
+    # jit_compile=True: whether one replica's whole step can be one XLA cluster (on one device).
+    _tfdist_compiles_replicas = False
 
     def _tfdist_replica_share(self):
         """This replica's examples / the global batch's while a step runs (a scalar tensor), else None.
@@ -104,6 +109,32 @@ class TfdistExtended:
     def _tfdist_shard_batch(self, structure):
         """Host inputs of `train_on_batch` / `test_on_batch` / `predict_on_batch`, as the step takes them."""
         return structure
+
+    def _tfdist_defer_apply(self, apply, grads) -> bool:
+        """Inside an XLA-compiled replica step: records `apply(grads)` to run after it and returns True.
+
+        The all-reduce of an optimizer's apply cannot run inside one device's XLA cluster; a strategy
+        that compiles replica steps (`_tfdist_jit_compile`) runs the recorded applies after the compiled
+        part, in the same replica. False (the default): apply where it is called.
+        """
+        del apply, grads
+        return False
+
+    def _tfdist_jit_compile(self, model) -> None:
+        """Called when a step of `model` (compiled with `jit_compile=True`) is built; raises if unsupported.
+
+        A strategy that supports XLA compiles the steps itself; Keras' own compilation of the
+        whole `strategy.run` (one XLA cluster over every device) is then turned off.
+        """
+        raise ValueError(
+            f"{type(self._container_strategy()).__name__} does not compile steps with XLA: model "
+            f"{model.name!r} was compiled with jit_compile=True. Compile it with jit_compile=False."
+        )
+
+    def _tfdist_auto_jit(self, model) -> bool:
+        """What Keras' `jit_compile="auto"` resolves to for `model` under this strategy (Keras: False)."""
+        del model
+        return False
 
 
 def extended_of(strategy) -> TfdistExtended | None:

@@ -131,6 +131,17 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         return DTensorBatches(dataset_fn(tf.distribute.InputContext()), self)
 
     # ------------------------------------------------------------------ execution
+    def _tfdist_jit_compile(self, model) -> None:
+        # DTensor expands a step into per-device functions and runs them without XLA on CPUs and GPUs:
+        # Keras' jit_compile=True would be accepted and silently do nothing.
+        raise ValueError(
+            f"ModelParallelStrategy does not compile steps with XLA: model {model.name!r} was compiled with "
+            "jit_compile=True, and TensorFlow's DTensor runs the SPMD-expanded step's per-device functions "
+            'without XLA (the flag would be ignored). Compile the model with jit_compile=False (or "auto", '
+            "which is False here), or train with DataParallelStrategy or PipelineStrategy, which compile each "
+            "replica's step (each stage's layers) with XLA."
+        )
+
     def _call_for_each_replica(self, fn, args, kwargs):
         if tf.executing_eagerly():  # inside a traced step, inputs are DTensors already
             args = self.shard_batch(args)

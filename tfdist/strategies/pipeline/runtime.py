@@ -13,11 +13,15 @@ one replica per stage-0 device) plus:
   the one hook call) over `microbatches` micro-batches, each weighted by its
   share of the global batch (`_run_microbatches`); the optimizer hook asks
   `_tfdist_accumulate_microbatch`, which sums the micro-batch gradients and
-  hands the sum to the all-reduce and Keras' apply once, at the last.
+  hands the sum to the all-reduce and Keras' apply once, at the last;
+* XLA (`jit_compile=True`): a replica's step spans its stages' devices, so it
+  is not one XLA cluster; each staged layer's call (and its gradient) is
+  compiled on its stage's device instead (`layer_call.compiled_stages`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -51,6 +55,10 @@ def _var_devices(variable) -> tuple:
     return tuple(v.device for v in values) if values is not None else (variable.device,)
 
 
+def _xla_stages(compiled: bool):
+    return layer_call.compiled_stages() if compiled else contextlib.nullcontext()
+
+
 class PipelineExtended(_mirrored.MirroredExtended):
     """Data-parallel extended whose replicas each run a pipeline of stages over micro-batches.
 
@@ -65,6 +73,8 @@ class PipelineExtended(_mirrored.MirroredExtended):
         cost: what the balancer balances ("params", "flops" or "time").
         communication: the all-reduce across replicas (see `tfdist.strategies._mirrored`).
     """
+
+    _tfdist_compiles_replicas = False  # XLA per staged layer, on its stage's device
 
     def __init__(self, container_strategy, *, grid, microbatches, rules, cost, communication):
         super().__init__(container_strategy, devices=list(grid[0]), communication=communication)
@@ -183,10 +193,12 @@ class PipelineExtended(_mirrored.MirroredExtended):
             return super()._call_for_each_replica(fn, args, kwargs)
         fn = autograph.tf_convert(fn, ag_ctx.control_status_ctx(), convert_by_default=False)
 
+        compiled = model is not None and not model.run_eagerly and bool(model.jit_compile)
+
         @functools.wraps(fn)
         def staged(*a, **kw):
             r = values_util.get_current_replica_id_as_int() or 0
-            with layer_call.stage_devices(self._layer_devices[r]):
+            with layer_call.stage_devices(self._layer_devices[r]), _xla_stages(compiled):
                 if model is None or self._microbatches == 1 or not a or kw:
                     with tf.device(self._grid[-1][r]):
                         return fn(*a, **kw)
