@@ -34,6 +34,7 @@ BENCHMARKS = {
     "model_parallel": (["--write"], (240, 2400)),
     "checkpoint": ([], (120, 900)),
     "pipeline": ([], (240, 1800)),
+    "xla": ([], (300, 1200)),
 }
 
 
