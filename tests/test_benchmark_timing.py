@@ -95,3 +95,26 @@ def test_orders_are_balanced_every_variant_in_every_place_and_after_every_other_
         after = [(row[i], row[i + 1]) for row in rows for i in range(n - 1)]
         assert len(places) == n * n and all(after.count(a) == after.count(after[0]) for a in after), (n, rows)
         assert len(set(after)) == n * (n - 1), (n, rows)  # every ordered pair occurs
+
+
+def test_reproduce_matches_figures_across_runs_by_their_stable_name():
+    from benchmarks import reproduce
+
+    def fig(name, median, lo, hi, rounds=5):
+        return {"figure": name, "median": median, "min": lo, "max": hi, "rounds": rounds}
+
+    earlier = {
+        "All-reduce": {"date": "d1", "figures": [fig("busbw auto / best (ring), N=2", 1.0, 0.9, 1.1)]},
+        "Sizes": {"date": "d1", "figures": [fig("bytes / ideal", 1.03, 1.03, 1.03, rounds=1)]},
+    }
+    now = {
+        "All-reduce": {"date": "d2", "figures": [fig("busbw auto / best (hierarchical), N=2", 1.2, 1.1, 1.3)]},
+        "Sizes": {"date": "d2", "figures": [fig("bytes / ideal", 1.04, 1.04, 1.04, rounds=1)]},
+        "New": {"date": "d2", "figures": [fig("new figure", 1.0, 1.0, 1.0)]},
+    }
+    table = {(section, name): (old is not None, ok) for section, name, old, _, ok in reproduce.rows(earlier, now)}
+    # Matched although the best choice differs between runs; 1.2 is outside the earlier 0.9-1.1.
+    assert table[("All-reduce", "busbw auto / best (hierarchical), N=2")] == (True, False)
+    assert table[("Sizes", "bytes / ideal")] == (True, True)  # one value: within 2%
+    assert table[("New", "new figure")] == (False, None)
+    assert reproduce.reproduces(earlier["All-reduce"]["figures"][0], fig("x", 1.05, 0, 9))
