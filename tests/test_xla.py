@@ -37,7 +37,9 @@ def mlp(jit_compile, *, optimizer="sgd", steps_per_execution=1):
             keras.layers.Dense(3, name="d3"),
         ]
     )
-    sgd = keras.optimizers.SGD(0.1, global_clipnorm=1.0)
+    sgd = keras.optimizers.SGD(
+        0.1, global_clipnorm=1.0, gradient_accumulation_steps=2 if optimizer == "accumulate" else None
+    )
     model.compile(
         optimizer=keras.optimizers.LossScaleOptimizer(sgd) if optimizer == "loss_scale" else sgd,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -82,7 +84,7 @@ def _device_index(device):
 
 @pytest.mark.parametrize(
     "optimizer, steps_per_execution",
-    [("sgd", 1), ("loss_scale", 1), ("sgd", 2)],
+    [("sgd", 1), ("loss_scale", 1), ("accumulate", 1), ("sgd", 2)],
 )
 def test_data_parallel_compiles_each_replica_and_matches_one_device(optimizer, steps_per_execution):
     kwargs = dict(optimizer=optimizer, steps_per_execution=steps_per_execution)
@@ -177,3 +179,16 @@ def test_auto_follows_keras_one_device_rule():
     assert model.jit_compile is False
     extended = tfdist.DataParallelStrategy(devices=["CPU:0", "CPU:1"]).extended
     assert extended._tfdist_auto_jit(model) is False
+
+
+def test_a_cross_replica_operation_inside_a_compiled_step_gets_a_clear_error():
+    strategy = tfdist.DataParallelStrategy(devices=["CPU:0", "CPU:1"])
+    x, y = data(16)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((12,)), keras.layers.Dense(8), keras.layers.BatchNormalization(synchronized=True)]
+        )
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    with pytest.raises(RuntimeError, match=r"jit_compile=True under DataParallelStrategy.*synchronized BatchNorm"):
+        model.fit(x, np.zeros((16, 8), "float32"), batch_size=8, epochs=1, verbose=0)

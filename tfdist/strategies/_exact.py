@@ -251,6 +251,17 @@ class ExactReplicas(_extended.TfdistExtended):
                 try:
                     outputs = fn(*a, **kw)
                     applies = flags.deferred
+                except RuntimeError as e:
+                    if "`merge_call` called while defining a new graph" not in str(e):
+                        raise
+                    raise RuntimeError(
+                        f"jit_compile=True under {type(self._container_strategy()).__name__}: each replica's "
+                        "step is compiled with XLA on its own device, and this step has a cross-replica "
+                        "operation other than the optimizer's apply (a synchronized BatchNormalization, or "
+                        "`tf.distribute.get_replica_context().all_reduce` / `merge_call` in a layer or "
+                        "`train_step`), which one device's XLA cluster cannot hold. Compile the model with "
+                        "jit_compile=False, or move that operation out of the step."
+                    ) from e
                 finally:
                     flags.deferred = None
                 recorded[:] = applies
