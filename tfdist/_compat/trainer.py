@@ -110,6 +110,16 @@ class _StepTensorFlow:
         return tf.function(func, **kwargs) if func is not None else tf.function(**kwargs)
 
 
+def _build_with_step_tf(build, *, inline: bool):
+    """Runs `build()` (Keras building a step function) with `_StepTensorFlow` as its `tf`, one build at a time."""
+    with _make_function_lock:
+        keras_tf_trainer.tf = _StepTensorFlow(inline=inline)
+        try:
+            return build()
+        finally:
+            keras_tf_trainer.tf = tf
+
+
 def _make_function(self, step_function):
     extended = _extended.extended_of(self._distribute_strategy)
     if extended is None:
@@ -120,12 +130,7 @@ def _make_function(self, step_function):
     inline = extended._tfdist_inline_steps and self.steps_per_execution > 1
     if not inline and not compiled:
         return _original_make_function(self, step_function)
-    with _make_function_lock:
-        keras_tf_trainer.tf = _StepTensorFlow(inline=inline)
-        try:
-            return _original_make_function(self, step_function)
-        finally:
-            keras_tf_trainer.tf = tf
+    return _build_with_step_tf(lambda: _original_make_function(self, step_function), inline=inline)
 
 
 # ------------------------------------------------------------------ XLA: predict, "auto"
@@ -142,12 +147,8 @@ def _make_predict_function(self, force=False):
     extended._tfdist_jit_compile(self)
     if extended._tfdist_compiles_replicas:
         return _original_make_predict_function(self, force=force)
-    with _make_function_lock:  # a replica spans devices: the strategy compiles parts of it
-        keras_tf_trainer.tf = _StepTensorFlow(inline=False)
-        try:
-            return _original_make_predict_function(self, force=force)
-        finally:
-            keras_tf_trainer.tf = tf
+    # A replica spans devices: the strategy compiles parts of it.
+    return _build_with_step_tf(lambda: _original_make_predict_function(self, force=force), inline=False)
 
 
 def _resolve_auto_jit_compile(self):
