@@ -70,7 +70,10 @@ def simulate_devices(n: int) -> list[str]:
                 "strategy or calling tf.config.list_logical_devices() (in a notebook: restart "
                 "the kernel and run it in the first cell)."
             ) from e
-    return [d.name for d in tf.config.list_logical_devices("CPU")]
+        return [d.name for d in tf.config.list_logical_devices("CPU")]
+    # Listing logical devices would start TensorFlow's runtime, after which a process can no longer join a
+    # multi-process DTensor mesh (ModelParallelStrategy across processes): name them without starting it.
+    return [f"/device:CPU:{i}" for i in range(n)]
 
 
 def host_memory() -> int | None:

@@ -8,6 +8,7 @@ TensorFlow 2.21.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from tensorflow.python.eager.polymorphic_function import atomic_function as tf_atomic_function
@@ -16,6 +17,7 @@ from tfdist._compat._hook import hook
 
 _original_call_flat = tf_atomic_function.AtomicFunction.call_flat
 _step_deadline = None
+_every_function = False  # time every eagerly called function, not only those with collective ops (DTensor)
 _lock = threading.Lock()
 _collective_functions: dict = {}
 
@@ -34,7 +36,9 @@ def _has_collectives(function) -> bool:
 
 def _call_flat(self, *args):
     deadline = _step_deadline
-    if deadline is None or not self._bound_context.executing_eagerly() or not _has_collectives(self):
+    if deadline is None or not self._bound_context.executing_eagerly():
+        return _original_call_flat(self, *args)
+    if not _every_function and not _has_collectives(self):
         return _original_call_flat(self, *args)
     with deadline.running():
         return _original_call_flat(self, *args)
@@ -50,10 +54,22 @@ HOOK = hook(
 HOOKS = (HOOK,)
 
 
-def set_step_deadline(deadline) -> None:
-    """Times calls of functions with collectives by `deadline` (a `StepDeadline`; None: untimed)."""
-    global _step_deadline
+def timed():
+    """A context manager that times an eager distributed operation by the deadline, when one is set."""
+    deadline = _step_deadline
+    return contextlib.nullcontext() if deadline is None else deadline.running()
+
+
+def set_step_deadline(deadline, *, every_function: bool = False) -> None:
+    """Times calls of functions with collectives by `deadline` (a `StepDeadline`; None: untimed).
+
+    With `every_function`, every eagerly called traced function is timed: a
+    multi-process DTensor program holds no collective op before DTensor
+    expands it, so the collectives are not visible in its definition.
+    """
+    global _step_deadline, _every_function
     with _lock:
+        _every_function = bool(every_function) and deadline is not None
         if deadline is not None:
             HOOK.check()
             HOOK.apply()

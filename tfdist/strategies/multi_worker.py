@@ -158,7 +158,7 @@ if not select.select([sys.stdin], [], [], seconds)[0]:
 
 
 @contextlib.contextmanager
-def _bounded_join(cluster: cluster_lib.Cluster | None, join_timeout: float):
+def _bounded_join(cluster: cluster_lib.Cluster | None, join_timeout: float, who: str = "tfdist.MultiWorkerStrategy"):
     """Bounds TensorFlow's start-up rendezvous.
 
     A non-leader worker fails with DeadlineExceeded once `join_timeout` passes;
@@ -175,7 +175,7 @@ def _bounded_join(cluster: cluster_lib.Cluster | None, join_timeout: float):
     )
     deadline = join_timeout + _JOIN_GRACE
     message = (
-        f"tfdist.MultiWorkerStrategy: {what}: not every worker joined within {deadline:g}s "
+        f"{who}: {what}: not every worker joined within {deadline:g}s "
         f"(join_timeout={join_timeout:g}s + {_JOIN_GRACE:g}s). Start all workers, check the addresses, "
         "or raise join_timeout. Killing this process.\n"
     )
@@ -190,13 +190,13 @@ def _bounded_join(cluster: cluster_lib.Cluster | None, join_timeout: float):
             raise
         port = cluster.address.rsplit(":", 1)[-1]
         raise cluster_lib.ClusterError(
-            f"tfdist.MultiWorkerStrategy: {what}: cannot listen on port {port} of its address "
+            f"{who}: {what}: cannot listen on port {port} of its address "
             f"{cluster.address!r}: the port is in use by another process (TensorFlow listens on "
             f"0.0.0.0:{port}). Stop that process or give this worker another port."
         ) from e
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
         raise RuntimeError(
-            f"tfdist.MultiWorkerStrategy: {what} could not join the cluster within "
+            f"{who}: {what} could not join the cluster within "
             f"join_timeout={join_timeout:g}s: {e.message.splitlines()[0]}. Start all workers, check the "
             "addresses, or raise join_timeout."
         ) from e

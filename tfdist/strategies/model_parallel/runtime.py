@@ -15,16 +15,21 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import one_device_strategy
 from tensorflow.python.util import nest
 
+from tfdist import errors
+from tfdist._compat import step_deadline
 from tfdist._compat import variables as keras_variables
 from tfdist.placement import mesh as mesh_lib
 from tfdist.placement import report as report_lib
 from tfdist.strategies import _extended
+from tfdist.strategies import multi_worker
 from tfdist.strategies.model_parallel.variables import GatheredVariable
 from tfdist.strategies.model_parallel.variables import ShardedVariable
 from tfdist.strategies.model_parallel.variables import gather
 from tfdist.strategies.model_parallel.variables import layout_of
 from tfdist.strategies.model_parallel.variables import replicated
 from tfdist.strategies.model_parallel.variables import shard_value
+
+DataShardingWarning = errors.DataShardingWarning
 
 
 class DTensorBatches:
@@ -35,12 +40,14 @@ class DTensorBatches:
     as it is drawn.
     """
 
-    def __init__(self, dataset, extended):
+    def __init__(self, dataset, extended, *, local=False):
         self._dataset = dataset
         self._extended = extended
+        self._local = local  # elements hold this process' rows of each global batch, not the whole batch
 
     def __iter__(self):
-        return map(self._extended.shard_batch, iter(self._dataset))
+        shard = self._extended.shard_local_batch if self._local else self._extended.shard_batch
+        return map(shard, iter(self._dataset))
 
     @property
     def element_spec(self):
@@ -57,12 +64,21 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         batch_axis: the mesh axis batches are split over, or None.
     """
 
-    def __init__(self, container_strategy, *, mesh, rules, batch_axis):
+    def __init__(self, container_strategy, *, mesh, rules, batch_axis, cluster=None, sharding="auto"):
         super().__init__(container_strategy, mesh.local_devices()[0])
         self.mesh = mesh
         self.rules = rules
         self.batch_axis = batch_axis
         self._axes = mesh_lib.mesh_axes(mesh)
+        self._cluster = cluster
+        self._sharding = sharding
+        # This process' rows of each global batch: batch-axis indices [lo, lo + per) of its local devices.
+        parts = self._axes[batch_axis] if batch_axis else 1
+        if batch_axis and cluster is not None:
+            indices = sorted({location[batch_axis] for location in mesh.local_device_locations()})
+            self._batch_rows = (indices[0], len(indices), parts)
+        else:
+            self._batch_rows = (0, parts, parts)
         self._calls = threading.local()  # .depth: model calls in progress on this thread
         self._rules_checked = weakref.WeakSet()  # models whose unmatched rules were reported
 
@@ -122,13 +138,91 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
 
     _tfdist_shard_batch = shard_batch  # the *_on_batch hook shards host inputs with it
 
+    @property
+    def batch_groups(self) -> tuple[int, int]:
+        """`(number, index)`: how many processes' row ranges make a global batch, and this process' range.
+
+        Processes whose devices share the batch-axis indices (a model split
+        across processes) form one group and read the same examples.
+        """
+        lo, per, parts = self._batch_rows
+        return parts // per, lo // per
+
+    def shard_local_batch(self, structure):
+        """Packs this process' rows of a global batch (its batch group's part) into global DTensors."""
+        return nest.map_structure(self._shard_local, structure)
+
+    def _shard_local(self, value):
+        if value is None or (isinstance(value, tf.Tensor) and dtensor.is_dtensor(value)):
+            return value
+        value = tf.convert_to_tensor(value)
+        rank = value.shape.rank
+        if not rank or self.batch_axis is None:
+            return shard_value(value, replicated(self.mesh, rank or 0))
+        lo, per, _ = self._batch_rows
+        if value.shape[0] % per:
+            raise ValueError(
+                f"Worker {self._cluster.rank}'s part of a global batch has {value.shape[0]} examples, which "
+                f"cannot be split over its {per} indices of mesh axis {self.batch_axis!r}. Give every process "
+                f"batches of a size divisible by {per} (and the same size on every process)."
+            )
+        step = value.shape[0] // per
+        components = []
+        for location in self.mesh.local_device_locations():
+            start = (location[self.batch_axis] - lo) * step
+            components.append(value[start : start + step])
+        return dtensor.pack(components, dtensor.Layout.batch_sharded(self.mesh, self.batch_axis, rank))
+
     def _experimental_distribute_dataset(self, dataset, options):
         del options
-        return DTensorBatches(dataset, self)
+        groups, _ = self.batch_groups
+        if groups == 1 or not isinstance(dataset, tf.data.Dataset):
+            return DTensorBatches(dataset, self)
+        sharding = self._sharding
+        policy = dataset.options().experimental_distribute.auto_shard_policy
+        chosen = {
+            tf.data.experimental.AutoShardPolicy.DATA: "data",
+            tf.data.experimental.AutoShardPolicy.FILE: "file",
+            tf.data.experimental.AutoShardPolicy.OFF: "off",
+        }.get(policy)
+        if chosen is not None:
+            sharding = chosen  # a policy set on the dataset wins, as under MultiWorkerStrategy
+        if sharding == "auto":
+            sharding = "file" if multi_worker.reads_files(dataset) else "data"
+            if sharding == "data":
+                warnings.warn(
+                    f"tfdist.ModelParallelStrategy: the dataset reads no files, so each of the {groups} groups of "
+                    "processes that hold different rows of a batch reads all of it and keeps its rows of every "
+                    f"global batch (DATA sharding; exact, but {groups}x the input work). Pass sharding='data' to "
+                    "silence this warning, or sharding='off' and give each process its own part.",
+                    DataShardingWarning,
+                    stacklevel=3,
+                )
+        if sharding == "file":
+            raise ValueError(
+                "tfdist.ModelParallelStrategy across processes does not shard a dataset by file: the processes "
+                "must agree on the size of every global batch, which files of different lengths do not ensure. "
+                "Use sharding='data' (each process reads all and keeps its rows; exact) or sharding='off' (each "
+                f"process's dataset yields only its rows: group {self.batch_groups[1]} of {groups}, see "
+                "`strategy.extended.batch_groups`)."
+            )
+        return DTensorBatches(dataset, self, local=sharding == "off")
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         del options
         return DTensorBatches(dataset_fn(tf.distribute.InputContext()), self)
+
+    def _tfdist_all_gather_rows(self, row):
+        """Every process' `row` (shape [1, n]), as [processes, n]: one all-gather over the whole mesh."""
+        sizes = list(self._axes.values())
+        row = tf.constant(row, tf.float64)
+        local = tf.reshape(row, [1] * len(sizes) + [row.shape[1]])
+        layout = dtensor.Layout(list(self._axes) + [dtensor.UNSHARDED], self.mesh)
+        packed = dtensor.pack([local] * self.mesh.num_local_devices(), layout)
+        with step_deadline.timed():
+            whole = dtensor.unpack(dtensor.relayout(packed, replicated(self.mesh, len(sizes) + 1)))[0]
+        rows = tf.reshape(whole, [-1, row.shape[1]]).numpy()  # one row per device, by global device id
+        return rows[:: self.mesh.num_local_devices()]
 
     # ------------------------------------------------------------------ execution
     def _tfdist_jit_compile(self, model) -> None:

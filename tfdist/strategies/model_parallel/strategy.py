@@ -7,15 +7,21 @@ import os
 import warnings
 
 import numpy as np
+import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.python.distribute import distribute_lib
 
 from tfdist import _compat
+from tfdist import _validate
+from tfdist import cluster as cluster_lib
+from tfdist._compat import step_deadline
 from tfdist.placement import mesh as mesh_lib
 from tfdist.placement.report import PlacementReport
 from tfdist.placement.report import VariablePlacement
 from tfdist.placement.rules import LayoutRules
+from tfdist.strategies import multi_worker
 from tfdist.strategies import topology as topology_lib
+from tfdist.strategies.model_parallel import multi_process
 from tfdist.strategies.model_parallel.runtime import ModelParallelExtended
 from tfdist.strategies.model_parallel.variables import GatheredVariable
 from tfdist.strategies.model_parallel.variables import spec_of
@@ -117,8 +123,25 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         rules: LayoutRules | list | None = None,
         devices: list[str] | None = None,
         batch_axis: str | None = "batch",
+        cluster: cluster_lib.Cluster | None = None,
+        timeout: float | None = multi_worker.DEFAULT_TIMEOUT,
+        heartbeat_timeout: float = multi_worker.DEFAULT_HEARTBEAT_TIMEOUT,
+        join_timeout: float | None = None,
+        sharding: str = "auto",
     ):
         ensure_safe_dtensor_env()
+        _validate.one_of("sharding", sharding, multi_worker.SHARDING_CHOICES)
+        timeout = _validate.positive_number("timeout", timeout, allow_none=True, unit="seconds")
+        heartbeat_timeout = _validate.positive_number("heartbeat_timeout", heartbeat_timeout, unit="seconds")
+        if join_timeout is None:
+            join_timeout = cluster_lib.join_timeout() or multi_worker.DEFAULT_JOIN_TIMEOUT
+        join_timeout = _validate.positive_number("join_timeout", join_timeout, unit="seconds")
+        if cluster is None:
+            cluster = cluster_lib.resolve()
+        elif not isinstance(cluster, cluster_lib.Cluster):
+            raise _validate.invalid("cluster", cluster, "a tfdist.cluster.Cluster (see tfdist.cluster.resolve) or None")
+        if cluster is not None and cluster.num_workers == 1:
+            cluster = None
         axes = mesh_lib.validate_axes({"batch": 2, "model": 4} if mesh is None else mesh)
         rules = LayoutRules(rules or ())
         rules.check_axes(axes)
@@ -132,9 +155,34 @@ class ModelParallelStrategy(distribute_lib.Strategy):
                         f"Valid choices: {list(axes)} or None (every device sees the whole batch)."
                     )
                 batch_axis = None
-        dmesh = mesh_lib.make_mesh(axes, devices)
-        _compat.install("model_parallel")
-        super().__init__(ModelParallelExtended(self, mesh=dmesh, rules=rules, batch_axis=batch_axis))
+        self._cluster = cluster
+        self._timeout = timeout
+        if cluster is None:
+            dmesh = mesh_lib.make_mesh(axes, devices)
+            _compat.install("model_parallel")
+        else:
+            device_type = "GPU" if devices is None and tf.config.list_physical_devices("GPU") else "CPU"
+            multi_process.check_environment(cluster)
+            multi_process.check_mesh(axes, multi_process.planned_local_devices(devices), cluster)
+            with multi_worker._keep_sigterm_handler():
+                multi_process.initialize(
+                    cluster,
+                    heartbeat_timeout=heartbeat_timeout,
+                    join_timeout=join_timeout,
+                    device_type=device_type,
+                    bounded_join=multi_worker._bounded_join,
+                )
+            dmesh = multi_process.make_mesh(axes, multi_process.local_devices(devices, cluster), cluster)
+            _compat.install("model_parallel")
+            self._watchdog = multi_process.ProcessWatchdog(
+                cluster, timeout=timeout, heartbeat_timeout=heartbeat_timeout
+            )
+            step_deadline.set_step_deadline(self._watchdog, every_function=True)
+        super().__init__(
+            ModelParallelExtended(
+                self, mesh=dmesh, rules=rules, batch_axis=batch_axis, cluster=cluster, sharding=sharding
+            )
+        )
 
     @property
     def mesh(self) -> dtensor.Mesh:
@@ -156,10 +204,20 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         return self.extended.batch_axis
 
     @property
+    def cluster(self) -> cluster_lib.Cluster | None:
+        """The cluster whose processes share the mesh (None for one process)."""
+        return self._cluster
+
+    @property
     def topology(self) -> topology_lib.Topology:
-        """One process; each global batch is split over the batch axis (1 without one)."""
+        """This process' index and the number of processes; each global batch is split over the batch axis."""
         size = self.mesh_shape[self.batch_axis] if self.batch_axis else 1
-        return topology_lib.Topology(worker_index=0, num_workers=1, data_parallel_size=size)
+        cluster = self._cluster
+        return topology_lib.Topology(
+            worker_index=cluster.rank if cluster else 0,
+            num_workers=cluster.num_workers if cluster else 1,
+            data_parallel_size=size,
+        )
 
     def shard_batch(self, structure):
         """Packs host tensors/arrays into DTensors split on the batch axis (for custom loops)."""
@@ -226,4 +284,8 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         return report
 
     def __repr__(self):
-        return f"ModelParallelStrategy(mesh={self.mesh_shape!r}, rules={self.rules!r}, batch_axis={self.batch_axis!r})"
+        processes = f", processes={self._cluster.num_workers}" if self._cluster else ""
+        return (
+            f"ModelParallelStrategy(mesh={self.mesh_shape!r}, rules={self.rules!r}, batch_axis={self.batch_axis!r}"
+            f"{processes})"
+        )

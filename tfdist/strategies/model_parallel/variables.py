@@ -5,6 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfdist._compat import step_deadline
 from tfdist.placement import mesh as mesh_lib
 
 
@@ -51,7 +52,8 @@ def gather(value):
     """A DTensor as one host tensor (all shards joined)."""
     layout = dtensor.fetch_layout(value)
     if not layout.is_fully_replicated():
-        value = dtensor.relayout(value, replicated(layout.mesh, layout.rank))
+        with step_deadline.timed():  # across processes, a collective: bounded like a step
+            value = dtensor.relayout(value, replicated(layout.mesh, layout.rank))
     return dtensor.unpack(value)[0]
 
 

@@ -1,0 +1,336 @@
+"""One DTensor mesh over several processes: DTensor's environment and runtime, derived from a `tfdist.cluster.Cluster`.
+
+DTensor's multi-client mode runs one process ("client") per host; every process
+runs the same SPMD program on its own devices and DTensor's collectives cross
+processes over gRPC. tfdist sets it up from the cluster the way
+`MultiWorkerStrategy` does: the `DTENSOR_*` variables DTensor reads come from
+the cluster (variables set by hand must agree with it), TensorFlow's
+coordination service gets tfdist's bounds (a heartbeat that declares a dead
+peer, a start-up join timeout), and the global mesh puts the devices of process
+`r` at global device ids `[r * L, (r + 1) * L)` (L local devices each): the
+first mesh axis varies slowest, so on 2 processes x 4 devices
+`{"batch": 2, "model": 4}` keeps each model-parallel group in one process and
+`{"batch": 1, "model": 8}` splits the model over both.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+
+import numpy as np
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+from tensorflow.core.protobuf import cluster_pb2
+from tensorflow.core.protobuf import tensorflow_server_pb2
+from tensorflow.dtensor.python import accelerator_util
+from tensorflow.dtensor.python import layout as layout_lib
+from tensorflow.python.eager import context
+from tensorflow.python.framework import device as tf_device
+
+from tfdist import cluster as cluster_lib
+
+JOB_NAME = "worker"
+ENV_NAMES = ("DTENSOR_CLIENT_ID", "DTENSOR_NUM_CLIENTS", "DTENSOR_JOB_NAME", "DTENSOR_JOBS")
+WHO = "tfdist.ModelParallelStrategy"
+
+
+def dtensor_environment(cluster: cluster_lib.Cluster) -> dict[str, str]:
+    """The `DTENSOR_*` variables that describe `cluster` to DTensor (this process is `cluster.rank`)."""
+    return {
+        "DTENSOR_CLIENT_ID": str(cluster.rank),
+        "DTENSOR_NUM_CLIENTS": str(cluster.num_workers),
+        "DTENSOR_JOB_NAME": JOB_NAME,
+        "DTENSOR_JOBS": ",".join(cluster.addresses),
+    }
+
+
+def check_environment(cluster: cluster_lib.Cluster, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The DTensor environment of `cluster`, after checking the variables already set agree with it.
+
+    Raises:
+        tfdist.cluster.ClusterError: naming each variable that disagrees, its
+            value and the value the cluster gives.
+    """
+    env = os.environ if env is None else env
+    wanted = dtensor_environment(cluster)
+    wrong = [(k, env[k], v) for k, v in wanted.items() if env.get(k) not in (None, v)]
+    if wrong:
+        lines = "; ".join(f"{k}={have!r} (the cluster gives {want!r})" for k, have, want in wrong)
+        raise cluster_lib.ClusterError(
+            f"{WHO}: DTensor environment variables set by hand disagree with the cluster {list(cluster.addresses)} "
+            f"(this process: worker {cluster.rank}, {cluster.address}): {lines}. tfdist derives them from the "
+            "cluster (TF_CONFIG, Slurm or explicit workers): unset them, or make the cluster agree."
+        )
+    return wanted
+
+
+def initialize(
+    cluster: cluster_lib.Cluster, *, heartbeat_timeout: float, join_timeout: float, device_type: str, bounded_join
+) -> None:
+    """Starts this process' part of the multi-process DTensor runtime (once, before any TensorFlow op).
+
+    Args:
+        cluster: the cluster; this process is `cluster.rank`.
+        heartbeat_timeout: seconds without a heartbeat after which a peer counts as dead.
+        join_timeout: seconds to wait at start-up for every process to join.
+        device_type: "CPU" or "GPU", the type of the mesh's devices.
+        bounded_join: a context manager factory `(cluster, join_timeout, who)` that turns a failed or
+            endless start-up rendezvous into a clear error.
+
+    Raises:
+        RuntimeError: if TensorFlow's runtime is already initialized (a tensor,
+            model or other strategy was created first) or a multi-process
+            DTensor runtime was started before in this process.
+        tfdist.cluster.ClusterError: for DTensor variables that disagree with the cluster.
+    """
+    env = check_environment(cluster)
+    ctx = context.context()
+    if accelerator_util.is_initialized():
+        raise RuntimeError(
+            f"{WHO}: DTensor's runtime is already initialized in this process (by an earlier "
+            "ModelParallelStrategy across processes or dtensor.initialize_accelerator_system); it cannot be "
+            "initialized twice. Build one ModelParallelStrategy per process and reuse it."
+        )
+    if ctx._context_handle is not None:  # noqa: SLF001 - the only way to ask whether the runtime started
+        raise RuntimeError(
+            f"{WHO}: TensorFlow's runtime is already initialized in worker {cluster.rank} ({cluster.address}), so "
+            "this process can no longer join a multi-process mesh. Construct ModelParallelStrategy first thing, "
+            "before any TensorFlow op, tensor, model or other strategy (tfdist.simulate_devices may come before "
+            "it)."
+        )
+    os.environ.update(env)
+    leader = f"/job:{JOB_NAME}/replica:0/task:0"
+    ctx.configure_collective_ops(collective_leader=leader)
+    ctx.configure_coordination_service(
+        service_type="standalone",
+        service_leader=leader,
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=JOB_NAME, num_tasks=cluster.num_workers)],
+        heartbeat_timeout_in_ms=int(heartbeat_timeout * 1000),
+        cluster_register_timeout_in_ms=int(join_timeout * 1000),
+        shutdown_barrier_timeout_in_ms=int(heartbeat_timeout * 1000),
+    )
+    cluster_def = cluster_pb2.ClusterDef()
+    cluster_def.job.add(name=JOB_NAME, tasks=dict(enumerate(cluster.addresses)))
+    server_def = tensorflow_server_pb2.ServerDef(
+        cluster=cluster_def,
+        default_session_config=context.get_config(),
+        job_name=JOB_NAME,
+        task_index=cluster.rank,
+        protocol="grpc",
+    )
+    server_def.default_session_config.rpc_options.num_channels_per_target = 4
+    server_def.default_session_config.experimental.recv_buf_max_chunk = -1
+    with bounded_join(cluster, join_timeout, WHO):
+        ctx.enable_collective_ops(server_def)
+        context.ensure_initialized()
+    accelerator_util.set_initialized(device_type)  # lets dtensor.create_distributed_mesh & co. work in user code
+
+
+def check_blocks(axes: Mapping[str, int], local: int, num_processes: int) -> None:
+    """Checks that each process' `local` consecutive devices form a block of the mesh (whole rows).
+
+    Process r holds global device ids [r * local, (r + 1) * local): a block
+    when, for some axis k, the product of the axes after k divides `local` and
+    `local` divides the product of axes k and after. Otherwise a process would
+    hold part of one batch row and part of another, which the mesh's batch
+    rows (and DTensor's input packing) do not allow.
+
+    Raises:
+        ValueError: naming the mesh, the devices per process and the axis sizes that would work.
+    """
+    sizes = list(axes.values())
+    for k in range(len(sizes) + 1):
+        inner = math.prod(sizes[k:])
+        after = math.prod(sizes[k + 1 :]) if k < len(sizes) else 1
+        if inner % local == 0 and local % after == 0:
+            return
+    raise ValueError(
+        f"{WHO}: the mesh {dict(axes)!r} over {num_processes} processes x {local} devices gives a process devices "
+        f"from parts of several rows of the mesh: the {local} devices of a process must fill whole rows of the "
+        "last axes (the product of the last axes must divide or be a multiple of the devices per process). "
+        f"For example, make the last axis {local}, a divisor of {local} or a multiple of it."
+    )
+
+
+def planned_local_devices(devices) -> int:
+    """How many devices this process will put in the mesh, found without starting TensorFlow's runtime."""
+    import tensorflow as tf
+
+    if devices is not None:
+        if isinstance(devices, str) or not list(devices):
+            raise ValueError(
+                f"Invalid `devices`: {devices!r}. Expected a non-empty list of device names such as ['CPU:0']."
+            )
+        return len(list(devices))
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        return len(gpus)
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    return len(tf.config.get_logical_device_configuration(cpu) or [None])
+
+
+def check_mesh(axes: Mapping[str, int], local: int, cluster: cluster_lib.Cluster) -> None:
+    """Checks the mesh against the cluster's device count and this process' block of devices (see `check_blocks`).
+
+    Raises:
+        ValueError: if the mesh size is not the total device count, or the
+            local devices do not form a block of the mesh.
+    """
+    n = cluster.num_workers
+    size = math.prod(axes.values())
+    if size != local * n:
+        shape = " x ".join(f"{k}={v}" for k, v in axes.items())
+        raise ValueError(
+            f"{WHO}: the mesh {dict(axes)!r} ({shape}) needs {size} devices, but the {n} processes of the cluster "
+            f"{list(cluster.addresses)} have {local} each (worker {cluster.rank} here): {n * local} in all. Choose "
+            f"axis sizes whose product is {n * local} (every process contributes the same number of devices)."
+        )
+    check_blocks(axes, local, n)
+
+
+def make_mesh(axes: Mapping[str, int], local_devices: list[str], cluster: cluster_lib.Cluster) -> layout_lib.Mesh:
+    """The global mesh over every process' devices; this process holds `local_devices` (short names, one type).
+
+    Raises:
+        ValueError: as `check_mesh`.
+    """
+    local = len(local_devices)
+    check_mesh(axes, local, cluster)
+    size = math.prod(axes.values())
+    spec = tf_device.DeviceSpec(job=JOB_NAME, replica=0, task=cluster.rank)
+    specs = [spec.make_merged_spec(tf_device.DeviceSpec.from_string(d)) for d in local_devices]
+    ids = np.arange(size).reshape(list(axes.values()))
+    flat = np.ravel(ids).tolist()
+    return layout_lib.Mesh(
+        dim_names=list(axes),
+        global_device_ids=ids,
+        local_device_ids=flat[cluster.rank * local : (cluster.rank + 1) * local],
+        local_devices=specs,
+    )
+
+
+def local_devices(devices, cluster: cluster_lib.Cluster) -> list[str]:
+    """This process' devices as short names ("CPU:0"): `devices`, else all local GPUs, else all logical CPUs.
+
+    Raises:
+        ValueError: for a device this process does not have, or one given twice.
+    """
+    import tensorflow as tf
+
+    def is_local(spec):
+        return spec.job in (None, "localhost") or (spec.job == JOB_NAME and spec.task == cluster.rank)
+
+    have = {}
+    for d in tf.config.list_logical_devices():
+        spec = tf_device.DeviceSpec.from_string(d.name)
+        if is_local(spec) and spec.device_type in ("CPU", "GPU"):
+            have.setdefault(f"{spec.device_type}:{spec.device_index}", spec)
+    if devices is None:
+        kind = "GPU" if any(k.startswith("GPU:") for k in have) else "CPU"
+        return sorted((k for k in have if k.startswith(kind + ":")), key=lambda k: int(k.split(":")[1]))
+    if isinstance(devices, str) or not list(devices):
+        raise ValueError(f"Invalid `devices`: {devices!r}. Expected a non-empty list of names such as ['CPU:0'].")
+    names = []
+    for d in devices:
+        spec = tf_device.DeviceSpec.from_string(d if d.startswith("/") else "/device:" + d)
+        name = f"{(spec.device_type or '').upper()}:{spec.device_index or 0}"
+        if name not in have:
+            raise ValueError(f"Device {d!r} does not exist in worker {cluster.rank}. Its devices: {sorted(have)}.")
+        names.append(name)
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"Each device may appear once in `devices`; repeated: {repeated}.")
+    return names
+
+
+_WATCHDOG = r"""
+import os, select, signal, socket, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+pid, timeout, heartbeat, me, peers = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5:]
+fd = sys.stdin.fileno()
+depth, since = 0, None
+seen = {p: time.monotonic() for p in peers}
+def stop(message):
+    sys.stderr.write(f"tfdist.ModelParallelStrategy: {me}: {message} Ending this process.\n")
+    sys.stderr.flush()
+    os.kill(pid, signal.SIGKILL)
+    sys.exit(0)
+while True:
+    if select.select([fd], [], [], 1.0)[0]:
+        data = os.read(fd, 4096)
+        if not data:
+            sys.exit(0)  # the process closed the pipe or ended
+        for c in data:
+            depth += 1 if c == 98 else -1  # b"b": a distributed call begins; b"e": it ends
+        since = (since or time.monotonic()) if depth > 0 else None
+    now = time.monotonic()
+    for peer in peers:
+        index, address = peer.split("@", 1)
+        host, port = address.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=0.5).close()
+            seen[peer] = now
+        except OSError:
+            pass
+        if depth > 0 and now - seen[peer] > heartbeat + 10:  # TensorFlow's own heartbeat error comes first
+            stop(f"worker {index} ({address}) is lost: it has not answered for {now - seen[peer]:.0f}s "
+                 f"(heartbeat_timeout={heartbeat:g}s) while this process waits for it in a distributed step.")
+    if timeout > 0 and since is not None and now - since > timeout:
+        stop(f"a distributed step has run for more than timeout={timeout:g}s; every peer still answers, so one "
+             "of them is stuck (or the step is slower than the timeout: raise `timeout`).")
+"""
+
+
+class ProcessWatchdog:
+    """Ends this process when a peer is lost or a distributed step overruns, even while TensorFlow holds the GIL.
+
+    A multi-process DTensor step blocks inside TensorFlow's C++ runtime: a
+    dead or stuck peer would leave it waiting forever, and a Python thread
+    cannot run to notice. A small watchdog process is told (through a pipe)
+    when each distributed call begins and ends; while one runs, it checks every
+    second that each peer's server still accepts connections. A peer that
+    does not for `heartbeat_timeout` seconds, or a call longer than `timeout`,
+    makes it print which worker was lost (or that a step overran) and kill this
+    process, so the job ends with an error in bounded time.
+
+    Args:
+        cluster: the cluster; this process is `cluster.rank`.
+        timeout: seconds a distributed call may run; None: unbounded.
+        heartbeat_timeout: seconds a peer may go unanswered during a call.
+    """
+
+    def __init__(self, cluster: cluster_lib.Cluster, *, timeout: float | None, heartbeat_timeout: float):
+        import subprocess
+        import sys
+
+        peers = [f"{i}@{a}" for i, a in enumerate(cluster.addresses) if i != cluster.rank]
+        me = f"worker {cluster.rank} ({cluster.address})"
+        self._process = subprocess.Popen(
+            [sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid()), str(timeout or 0), str(heartbeat_timeout), me]
+            + peers,
+            stdin=subprocess.PIPE,
+        )
+        self._fd = self._process.stdin.fileno()
+
+    def running(self):
+        """A context manager around one distributed call."""
+        return _Running(self._fd)
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.stdin.close()
+            self._process.wait()
+
+
+class _Running:
+    __slots__ = ("_fd",)
+
+    def __init__(self, fd):
+        self._fd = fd
+
+    def __enter__(self):
+        os.write(self._fd, b"b")
+
+    def __exit__(self, *exc):
+        os.write(self._fd, b"e")
