@@ -173,10 +173,92 @@ def test_a_failed_checkpoint_write_ends_with_one_line_naming_the_file(tmp_path):
     assert not (model_dir / "model.keras").exists()
 
 
+# One small LM trained under each strategy: 39,600 bytes give 1,140 training and 60 held-out windows, even
+# counts, so the 2x4 mesh's batch axis leaves none out and every strategy sees the same batches.
+SMALL_LM = ["--global_batch_size=16", f"--seq_len={SEQ_LEN}", "--d_model=32", "--num_heads=4", "--num_layers=1",
+            "--steps=12", "--max_corpus_bytes=39600", "--learning_rate=0.01"]
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """SMALL_LM on one device with --strategy=auto (outside a cluster: data): the reference run."""
+    result = run_train(*SMALL_LM, "--num_devices=1", f"--model_dir={tmp_path_factory.mktemp('one')}",
+                       timeout=TRAIN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_auto_says_what_it_chose_and_why(one_device):
+    reason = ("no cluster (no TF_CONFIG or Slurm job), so data parallelism over this process's devices; "
+              "model_parallel and pipeline run only when --strategy names them")
+    assert one_device.stdout.splitlines()[0] == f"tfdist-train: --strategy=auto chose data: {reason}"
+    assert summary_value(one_device.stdout, "auto strategy") == f"chose data: {reason}"
+    assert summary_value(one_device.stdout, "strategy") == "DataParallelStrategy (auto), 1 replica(s)"
+
+
+def assert_trains_as_one_device(result, one_device):
+    """The same held-out and train losses as the one-device run (4 decimals), and a perplexity well down."""
+    assert "Traceback" not in result.stderr
+    for label in ("held-out loss (untrained)", "held-out loss (trained)", "train loss"):
+        got, want = (float(summary_value(r.stdout, label).split()[0]) for r in (result, one_device))
+        assert got == pytest.approx(want, abs=2e-4), label
+    untrained = float(summary_value(result.stdout, "held-out perplexity (untrained)"))
+    assert float(summary_value(result.stdout, "held-out perplexity (trained)")) < untrained / 4
+
+
+def test_model_parallel_on_a_2x4_mesh_trains_as_one_device(tmp_path, one_device):
+    result = run_train(*SMALL_LM, "--strategy=model_parallel", "--mesh=batch:2,model:4", f"--model_dir={tmp_path}",
+                       timeout=TRAIN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert summary_value(result.stdout, "strategy") == (
+        "ModelParallelStrategy (model_parallel), mesh batch:2,model:4, rules transformer, "
+        "1 replica (one global program)"
+    )
+    assert summary_value(result.stdout, "devices").count("CPU") == 8  # simulated: no --num_devices
+    assert summary_value(result.stdout, "training") == (
+        "1 epoch(s) x 12 steps, global batch 16 split 2 ways over mesh axis 'batch'"
+    )
+    assert_trains_as_one_device(result, one_device)
+    speed = summary_value(result.stdout, "speed vs one device")
+    assert re.fullmatch(r"[0-9.]+x on 8 simulated CPU devices sharing \d+ cores \(measured after training, .*\)", speed)
+    assert re.match(r"(pays here|does not pay here \(one device trains faster\); .*DTensor's collectives)",
+                    summary_value(result.stdout, "model parallelism"))
+    assert summary_value(result.stdout, "checkpoint") == str(tmp_path / "checkpoints" / "ckpt-000000012.npz")
+    saved = keras.saving.load_model(tmp_path / "model.keras")  # whole tensors: loads on one device
+    assert tuple(saved(np.zeros((1, SEQ_LEN), np.int32)).shape) == (1, SEQ_LEN, 256)
+
+
+def test_pipeline_of_two_stages_trains_as_one_device(tmp_path, one_device):
+    result = run_train(*SMALL_LM, "--strategy=pipeline", "--stages=2", "--microbatches=2", "--nomeasure_speedup",
+                       f"--model_dir={tmp_path}", timeout=TRAIN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert summary_value(result.stdout, "strategy") == (
+        "PipelineStrategy (pipeline), 2 stages x 2 micro-batches, 1 replica(s)"
+    )
+    assert summary_value(result.stdout, "devices") == "/device:CPU:0, /device:CPU:1"  # simulated: no --num_devices
+    assert summary_value(result.stdout, "pipeline stages").startswith("0: token_embedding")
+    assert summary_value(result.stdout, "training").endswith("global batch 16 in 2 micro-batches of 8 per replica")
+    assert_trains_as_one_device(result, one_device)
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--strategy=bogus"], r"--strategy=bogus.*auto\|data"),
+        (["--strategy=bogus"], r"--strategy=bogus.*auto\|data\|multi_worker\|model_parallel\|pipeline"),
+        (["--strategy=model_parallel", "--mesh=batch:2,model:x"],
+         r"flag --mesh=batch:2,model:x: 'model:x': the size 'x' of axis 'model' is not a positive integer\. "
+         r"Expected axis:size pairs separated by commas, e\.g\. --mesh=batch:2,model:4"),
+        (["--strategy=model_parallel", "--mesh=batch2"], r"flag --mesh=batch2: 'batch2' is not an axis:size pair"),
+        (["--strategy=data", "--mesh=batch:2,model:4"],
+         r"--mesh is used only with --strategy=model_parallel, not --strategy=data"),
+        (["--stages=2"], r"--stages is used only with --strategy=pipeline, not --strategy=auto"),
+        (["--strategy=model_parallel", "--global_batch_size=15"],
+         r"--global_batch_size=15 must be a multiple of the size of the batch axis of --mesh=batch:2,model:4"),
+        (["--strategy=model_parallel", "--mesh=batch:2,model:4", "--num_devices=4", "--max_corpus_bytes=20000"],
+         r"--mesh=batch:2,model:4 needs 8 devices, but there are 4 \(--num_devices=4 simulated CPU devices\)\. "
+         r"Expected a --mesh whose sizes multiply to 4, e\.g\. --mesh=batch:1,model:4, or --num_devices=8"),
+        (["--strategy=pipeline", "--stages=3", "--num_devices=2", "--max_corpus_bytes=20000"],
+         r"--stages=3 needs at least 3 devices, but there are 2"),
         (["--global_batch_size=0"], r"--global_batch_size=0.*not a positive integer"),
         (["--num_heads=3"], r"--num_heads must divide --d_model"),
         (["positional"], r"unexpected positional arguments \['positional'\]"),
@@ -184,7 +266,8 @@ def test_a_failed_checkpoint_write_ends_with_one_line_naming_the_file(tmp_path):
 )
 def test_bad_flags_fail_naming_the_flag(args, expected):
     result = run_train(*args, timeout=ERROR_TIMEOUT_S)
-    assert result.returncode != 0
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1, result.stderr[-2000:]
     assert re.search(expected, result.stderr), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
 
@@ -268,3 +351,11 @@ def test_auto_strategy_is_multi_worker_inside_a_cluster(monkeypatch, tf_config, 
     tfdist_flags.define_flags(flag_values)
     flag_values(["prog"])
     assert tfdist_flags.resolved_strategy_name(flag_values) == expected
+
+
+def test_the_rules_choices_are_the_layout_presets_and_none():
+    from tfdist import flags as tfdist_flags
+    from tfdist import layouts
+
+    presets = [name for name in layouts.__all__ if callable(getattr(layouts, name)) and name[0].islower()]
+    assert sorted(tfdist_flags.RULES) == sorted([*presets, "none"])

@@ -203,13 +203,16 @@ def _split_point(num_bytes: int, heldout_fraction: float) -> int:
     return num_bytes - math.ceil(num_bytes * heldout_fraction)
 
 
-def window_counts(num_bytes: int, *, seq_len: int, heldout_fraction: float = 0.05) -> tuple[int, int]:
+def window_counts(
+    num_bytes: int, *, seq_len: int, heldout_fraction: float = 0.05, batch_multiple: int = 1
+) -> tuple[int, int]:
     """The numbers of training and held-out examples `lm_datasets` makes from `num_bytes` bytes.
 
     Args:
         num_bytes: the corpus length.
         seq_len: tokens per example.
         heldout_fraction: the share of the corpus held out.
+        batch_multiple: as in `lm_datasets`: each count is rounded down to a multiple of it.
 
     Returns:
         `(train_windows, heldout_windows)`.
@@ -218,9 +221,12 @@ def window_counts(num_bytes: int, *, seq_len: int, heldout_fraction: float = 0.0
 
     >>> window_counts(1000, seq_len=9, heldout_fraction=0.1)
     (90, 10)
+    >>> window_counts(1000, seq_len=9, heldout_fraction=0.1, batch_multiple=4)
+    (88, 8)
     """
     split = _split_point(num_bytes, heldout_fraction)
-    return split // (seq_len + 1), (num_bytes - split) // (seq_len + 1)
+    counts = split // (seq_len + 1), (num_bytes - split) // (seq_len + 1)
+    return tuple(n - n % batch_multiple for n in counts)
 
 
 def _windows(stream: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -238,6 +244,7 @@ def lm_datasets(
     heldout_fraction: float = 0.05,
     seed: int,
     repeat: bool = False,
+    batch_multiple: int = 1,
 ) -> tuple[tf.data.Dataset, tf.data.Dataset]:
     """Splits a byte corpus into next-byte-prediction datasets for training and evaluation.
 
@@ -259,14 +266,20 @@ def lm_datasets(
         repeat: repeat the training windows without end, reshuffled each
             pass, so that every training batch is full (for training by a
             number of steps rather than by passes over the corpus).
+        batch_multiple: every batch, the last of a pass too, holds a multiple
+            of this many examples: the last windows of each part past a
+            multiple of it are left out (fewer than `batch_multiple`). For
+            `tfdist.ModelParallelStrategy`, whose batches must divide by the
+            mesh's batch axis. `global_batch_size` must be a multiple of it.
 
     Returns:
         `(train_ds, heldout_ds)`, each yielding `(inputs, targets)` batches.
 
     Raises:
         ValueError: if a size is not a positive integer, `heldout_fraction` is
-            outside (0, 1), or the corpus is too small for one training and
-            one held-out window.
+            outside (0, 1), `global_batch_size` is not a multiple of
+            `batch_multiple`, or the corpus is too small for one training and
+            one held-out window (of each, `batch_multiple`).
 
     Example:
 
@@ -279,6 +292,12 @@ def lm_datasets(
 
     _check_positive_int("seq_len", seq_len)
     _check_positive_int("global_batch_size", global_batch_size)
+    _check_positive_int("batch_multiple", batch_multiple)
+    if global_batch_size % batch_multiple:
+        raise ValueError(
+            f"global_batch_size must be a multiple of batch_multiple. Received: global_batch_size={global_batch_size}, "
+            f"batch_multiple={batch_multiple}."
+        )
     if not _validate.is_number(heldout_fraction) or not 0 < heldout_fraction < 1:
         raise ValueError(
             f"heldout_fraction must be a number in (0, 1). Received: heldout_fraction={heldout_fraction!r}."
@@ -287,8 +306,11 @@ def lm_datasets(
     split = _split_point(len(stream), heldout_fraction)
     train_x, train_y = _windows(stream[:split], seq_len)
     heldout_x, heldout_y = _windows(stream[split:], seq_len)
+    train_x, train_y, heldout_x, heldout_y = (
+        a[: len(a) - len(a) % batch_multiple] for a in (train_x, train_y, heldout_x, heldout_y)
+    )
     if not len(train_x) or not len(heldout_x):
-        need = math.ceil((seq_len + 1) / min(heldout_fraction, 1 - heldout_fraction))
+        need = math.ceil(batch_multiple * (seq_len + 1) / min(heldout_fraction, 1 - heldout_fraction))
         raise ValueError(
             f"The corpus ({len(stream)} bytes) is too small for seq_len={seq_len} with "
             f"heldout_fraction={heldout_fraction}: it gives {len(train_x)} training and {len(heldout_x)} "

@@ -1,17 +1,21 @@
 """tfdist-train: trains the reference byte-level transformer LM under a tfdist strategy.
 
 Trains `tfdist.models.transformer_lm` on a byte corpus (by default the Python
-standard library's source), saves an atomic checkpoint per epoch
+standard library's source) under any tfdist strategy (--strategy: data,
+multi_worker, model_parallel with --mesh and --rules, pipeline with --stages and
+--microbatches; auto says what it chose and why), saves an atomic checkpoint per epoch
 (`tfdist.callbacks.Checkpoint`), the final model as `model.keras` and
 TensorBoard logs under --model_dir, and prints a summary: devices, tokens/s,
 the speed against one device (measured after training, --measure_speedup) and
-what would make data parallelism pay, train loss, and held-out loss and
+what would make the strategy pay, train loss, and held-out loss and
 perplexity before and after training.
 
 Examples:
 
     tfdist-train                                  # 4 simulated CPU devices, defaults
     tfdist-train --num_devices=2 --steps=50 --model_dir=/tmp/lm
+    tfdist-train --strategy=model_parallel --mesh=batch:2,model:4   # 8 simulated devices
+    tfdist-train --strategy=pipeline --stages=2 --microbatches=4    # 2 simulated devices
     python -m tfdist.train --flagfile=lm.flags
 """
 
@@ -48,7 +52,7 @@ flags.DEFINE_boolean(
     True,
     "After training on more than one device in one process, time a few steps of the model on one device "
     "against the strategy's devices (interleaved rounds, medians; seconds on CPUs) and report the speed-up "
-    "in the summary.",
+    "in the summary. Every strategy but multi_worker.",
 )
 
 _WARMUP_FRACTION = 0.1
@@ -79,15 +83,18 @@ def _stop_on_non_finite_loss():
     return keras.callbacks.LambdaCallback(on_train_batch_end=check)
 
 
-def _check_host_memory(local_devices: int, replicas: int) -> None:
+def _check_host_memory(strategy) -> None:
     """Refuses sizes whose training cannot fit this machine's memory (training on CPUs).
 
-    Counts only what training surely holds: per local replica the float32 weights, gradients and
-    AdamW's two moments, and the attention probabilities of the local batch kept for the backward
-    pass. The sizes come from flags, so the error names them.
+    Counts only what training surely holds: per copy of the model on this host (a data-parallel
+    replica; a model-parallel group along the mesh's batch axis, whose rules split the weights over
+    the other axes) the float32 weights, gradients and AdamW's two moments, and the attention
+    probabilities of this process's share of the batch kept for the backward pass. The sizes come
+    from flags, so the error names them.
     """
     from tfdist import devices as devices_lib
     from tfdist import models
+    from tfdist.strategies import topology as topology_lib
 
     memory = devices_lib.host_memory()
     if memory is None:
@@ -95,14 +102,17 @@ def _check_host_memory(local_devices: int, replicas: int) -> None:
     parameters = models.transformer_lm_parameters(
         seq_len=FLAGS.seq_len, d_model=FLAGS.d_model, num_layers=FLAGS.num_layers
     )
-    local_batch = math.ceil(FLAGS.global_batch_size * local_devices / replicas)
-    need = 4 * (4 * parameters * local_devices + local_batch * FLAGS.num_heads * FLAGS.seq_len**2 * FLAGS.num_layers)
+    topology = topology_lib.of(strategy)
+    copies = max(1, topology.data_parallel_size // topology.num_workers)
+    local_batch = math.ceil(FLAGS.global_batch_size / topology.num_workers)
+    need = 4 * (4 * parameters * copies + local_batch * FLAGS.num_heads * FLAGS.seq_len**2 * FLAGS.num_layers)
     if need > memory:
         _fail(
             f"--d_model={FLAGS.d_model}, --num_layers={FLAGS.num_layers}, --seq_len={FLAGS.seq_len}, "
             f"--num_heads={FLAGS.num_heads}, --global_batch_size={FLAGS.global_batch_size}: training needs at least "
-            f"{need / 2**30:,.1f} GiB ({parameters:,} parameters with gradients and optimizer state on "
-            f"{local_devices} device(s), and the attention of the batch), more than this machine's "
+            f"{need / 2**30:,.1f} GiB ({parameters:,} parameters with gradients and optimizer state, "
+            f"{copies} cop{'y' if copies == 1 else 'ies'} on this host, and the attention of the batch), "
+            "more than this machine's "
             f"{memory / 2**30:,.1f} GiB. Expected sizes that fit: lower them."
         )
 
@@ -140,8 +150,51 @@ def _compiled_lm(strategy, *, total_steps: int):
     return model
 
 
-def _speed_rows(model, build, train_ds, devices: list[str], multi_worker: bool) -> list[tuple[str, str]]:
-    """The summary's rows on data parallelism's speed against one device, measured now.
+def _devices_of(strategy) -> list[str]:
+    """The devices of this process that `strategy` trains on."""
+    from tfdist.strategies.model_parallel import ModelParallelStrategy
+    from tfdist.strategies.pipeline import PipelineStrategy
+
+    if isinstance(strategy, ModelParallelStrategy):
+        return list(strategy.mesh.local_devices())
+    if isinstance(strategy, PipelineStrategy):
+        return [device for replica in zip(*strategy.stage_devices) for device in replica]
+    return list(strategy.extended.worker_devices)
+
+
+def _layout(strategy, batch: int) -> tuple[str, str, list[tuple[str, str]]]:
+    """How `strategy` split the model and each batch: the summary's strategy and training words, and rows of its own."""
+    from tfdist import flags as tfdist_flags
+    from tfdist.strategies.model_parallel import ModelParallelStrategy
+    from tfdist.strategies.pipeline import PipelineStrategy
+
+    replicas = strategy.num_replicas_in_sync
+    if isinstance(strategy, ModelParallelStrategy):
+        axis = strategy.batch_axis
+        split = f"split {strategy.mesh_shape[axis]} ways over mesh axis {axis!r}" if axis else "whole on every device"
+        return (
+            f"mesh {tfdist_flags.format_mesh(strategy.mesh_shape)}, rules {FLAGS.rules or tfdist_flags.DEFAULT_RULES}, "
+            f"{replicas} replica (one global program)",
+            f"global batch {batch} {split}",
+            [],
+        )
+    if isinstance(strategy, PipelineStrategy):
+        micro = batch // (strategy.microbatches * strategy.replicas)
+        plan = strategy.plan
+        stages = "; ".join(
+            f"{i}: {', '.join(layers)} ({params:,} parameters)"
+            for i, (layers, params) in enumerate(zip(plan.layers, plan.params))
+        )
+        return (
+            f"{strategy.stages} stages x {strategy.microbatches} micro-batches, {replicas} replica(s)",
+            f"global batch {batch} in {strategy.microbatches} micro-batches of {micro} per replica",
+            [("pipeline stages", f"{stages} (balanced on {plan.cost})")],
+        )
+    return f"{replicas} replica(s)", f"global batch {batch} over {replicas} replica(s)", []
+
+
+def _speed_rows(model, build, train_ds, strategy, devices: list[str], multi_worker: bool) -> list[tuple[str, str]]:
+    """The summary's rows on the strategy's speed against one device, measured now.
 
     Times `_SPEED_ROUNDS` rounds of `_SPEED_STEPS` steps (after a warm-up) of the trained model on
     the strategy's devices and of a copy of it, built and compiled the same way, on the first of
@@ -152,6 +205,8 @@ def _speed_rows(model, build, train_ds, devices: list[str], multi_worker: bool) 
     from tfdist import _fit_timing
     from tfdist.advisor import _LM_HEADS as _ADVISE_LM_HEADS
     from tfdist.strategies.data_parallel import DataParallelStrategy
+    from tfdist.strategies.model_parallel import ModelParallelStrategy
+    from tfdist.strategies.pipeline import PipelineStrategy
 
     label = "speed vs one device"
     n = len(devices)
@@ -174,9 +229,25 @@ def _speed_rows(model, build, train_ds, devices: list[str], multi_worker: bool) 
         f"vs {times['one'] * 1e3:.1f} ms on one device, medians of {_SPEED_ROUNDS} interleaved rounds of "
         f"{_SPEED_STEPS} steps; {seconds:.1f} s, --nomeasure_speedup skips it)"
     )
-    if speedup >= 1:
-        verdict = f"pays here: {n} devices train {speedup:.2f}x as fast as one"
+    shared = "" if gpus else "these devices share the CPU, and "
+    if isinstance(strategy, ModelParallelStrategy):
+        kind = "model parallelism"
+        why_not = (
+            f"{shared}each step adds DTensor's collectives between the mesh's devices; it pays with one accelerator "
+            "per mesh device and a model too large for one device, or layers wide enough that each device's "
+            "share of the matmuls outweighs the collectives"
+        )
+    elif isinstance(strategy, PipelineStrategy):
+        kind = "pipeline parallelism"
+        k, m = strategy.stages, strategy.microbatches
+        why_not = (
+            f"{shared}each step moves activations between the stages and leaves them idle for (K-1)/(M+K-1) = "
+            f"{(k - 1) / (m + k - 1):.0%} of it (GPipe's bubble, K={k} stages, M={m} micro-batches); it pays with "
+            "one accelerator per stage and a model too large for one device, and more --microbatches shrink the "
+            "bubble"
+        )
     else:
+        kind = "data parallelism"
         advise = (
             f"; tfdist-advise --model=lm --width={FLAGS.d_model} --depth={FLAGS.num_layers} "
             f"--seq_len={FLAGS.seq_len} --batch_size={FLAGS.global_batch_size} --optimizer=adamw --num_devices={n} "
@@ -185,11 +256,16 @@ def _speed_rows(model, build, train_ds, devices: list[str], multi_worker: bool) 
             else ""
         )
         accelerators = "" if gpus else "one accelerator per replica (these devices share the CPU), or "
-        verdict = (
-            f"does not pay here (--num_devices=1 trains faster); it pays with {accelerators}a model or batch "
-            f"whose compute per step outweighs the all-reduce of the gradients and the per-step overhead{advise}"
+        why_not = (
+            f"it pays with {accelerators}a model or batch whose compute per step outweighs the all-reduce of the "
+            f"gradients and the per-step overhead{advise}"
         )
-    return [(label, measured), ("data parallelism", verdict)]
+    if speedup >= 1:
+        verdict = f"pays here: {n} devices train {speedup:.2f}x as fast as one"
+    else:
+        one = "--num_devices=1" if kind == "data parallelism" else "one device"
+        verdict = f"does not pay here ({one} trains faster); {why_not}"
+    return [(label, measured), (kind, verdict)]
 
 
 def _perplexity(loss: float) -> float:
@@ -219,6 +295,8 @@ def main(argv: list[str]) -> int:
         _fail("TensorBoard logging needs the `tensorboard` package, which is not installed: pip install tensorboard")
     # TensorFlow logs each strategy and all-reduce it builds at INFO level: noise here.
     logging.getLogger("tensorflow").setLevel(logging.ERROR)
+    # DTensor logs each mesh it builds (its clients and devices) through absl at INFO level: noise too.
+    logging.getLogger("absl").setLevel(logging.WARNING)
 
     try:
         corpus = data_lib.load_corpus(FLAGS.corpus, max_bytes=FLAGS.max_corpus_bytes)
@@ -237,19 +315,25 @@ def main(argv: list[str]) -> int:
 
         from tfdist import callbacks as tfdist_callbacks
         from tfdist.callbacks import _files as checkpoint_files
+        from tfdist.strategies import topology as topology_lib
+        from tfdist.strategies.model_parallel import ModelParallelStrategy
 
         # On a machine without a CUDA driver the first GPU listing logs a cuInit error (TensorFlow
         # lists them when imported under app.run, and so do the strategies): list them here, quietly.
         # This does not start the runtime.
         tf.config.list_physical_devices("GPU")
     try:
-        devices = tfdist_flags.configure_devices_from_flags(FLAGS)
+        chosen, reason = tfdist_flags.resolve_strategy(FLAGS)
+        if FLAGS.strategy == "auto":
+            print(f"tfdist-train: --strategy=auto chose {chosen}: {reason}", flush=True)
+        tfdist_flags.configure_devices_from_flags(FLAGS)
         # The corpus is in memory: every worker holds it and keeps its share of each batch.
         strategy = tfdist_flags.strategy_from_flags(FLAGS, data_sharding="data")
     except (RuntimeError, ValueError) as e:  # ClusterError is a ValueError
         _fail(str(e))
-    replicas = strategy.num_replicas_in_sync
-    devices = devices or list(strategy.extended.worker_devices)
+    devices = _devices_of(strategy)
+    # A model-parallel batch must divide by the mesh's batch axis, the last one of a pass too.
+    batch_multiple = topology_lib.of(strategy).data_parallel_size if isinstance(strategy, ModelParallelStrategy) else 1
     cluster = getattr(strategy, "cluster", None)
     chief = cluster is None or cluster.is_chief
 
@@ -273,11 +357,16 @@ def main(argv: list[str]) -> int:
             global_batch_size=FLAGS.global_batch_size,
             seed=FLAGS.seed,
             repeat=FLAGS.steps > 0,
+            batch_multiple=batch_multiple,
         )
     except ValueError as e:
         _fail(f"--corpus / --seq_len: {e}")
     if not any("GPU" in d.upper() for d in devices):
-        _check_host_memory(len(devices), replicas)
+        _check_host_memory(strategy)
+    whole = (train_windows, heldout_windows)
+    train_windows, heldout_windows = data_lib.window_counts(
+        len(corpus), seq_len=FLAGS.seq_len, batch_multiple=batch_multiple
+    )
     batch = FLAGS.global_batch_size
     steps_per_epoch = FLAGS.steps or math.ceil(train_windows / batch)
 
@@ -316,13 +405,18 @@ def main(argv: list[str]) -> int:
     trained = history.history["val_loss"][-1]
 
     rate = history.history.get("tokens_per_sec", [None])[-1]
-    speed = _speed_rows(model, build, train_ds, devices, cluster is not None) if FLAGS.measure_speedup else []
+    speed = (
+        _speed_rows(model, build, train_ds, strategy, devices, cluster is not None) if FLAGS.measure_speedup else []
+    )
+    parallelism, batch_split, layout_rows = _layout(strategy, batch)
     _print_summary(
         [
-            ("strategy", f"{type(strategy).__name__} ({FLAGS.strategy}), {replicas} replica(s)"),
+            ("strategy", f"{type(strategy).__name__} ({FLAGS.strategy}), {parallelism}"),
+            *([("auto strategy", f"chose {chosen}: {reason}")] if FLAGS.strategy == "auto" else []),
             ("worker", f"{cluster.task_index} of {cluster.num_workers}" + (" (chief)" if chief else "")
              if cluster is not None else "single process"),
             ("devices", ", ".join(devices)),
+            *layout_rows,
             (
                 "model",
                 f"transformer_lm, {FLAGS.num_layers} layer(s), d_model {FLAGS.d_model}, "
@@ -331,11 +425,13 @@ def main(argv: list[str]) -> int:
             (
                 "corpus",
                 f"{FLAGS.corpus or 'Python standard library'}: {len(corpus):,} bytes, "
-                f"{train_windows:,} training / {heldout_windows:,} held-out windows",
+                f"{train_windows:,} training / {heldout_windows:,} held-out windows"
+                + (f" (rounded down to multiples of {batch_multiple}, the mesh's batch axis)"
+                   if whole != (train_windows, heldout_windows) else ""),
             ),
             (
                 "training",
-                f"{FLAGS.epochs} epoch(s) x {steps_per_epoch} steps, global batch {batch} over {replicas} replica(s)",
+                f"{FLAGS.epochs} epoch(s) x {steps_per_epoch} steps, {batch_split}",
             ),
             (
                 "tokens/s",
