@@ -125,8 +125,13 @@ if MODE in ("fit", "reference"):
             if batch == 2:
                 print("TRAINING", rank, flush=True)
 
+    callbacks = [Announce()]
+    if OPTS.get("ckpt"):  # Keras' own callback, every process writing "the same" shared file
+        os.makedirs(OPTS["ckpt"], exist_ok=True)
+        path = os.path.join(OPTS["ckpt"], "keras_callback.weights.h5")
+        callbacks.append(keras.callbacks.ModelCheckpoint(path, save_weights_only=True))
     history = model.fit(*data, batch_size=None if OPTS.get("tfdata") else BATCH, epochs=EPOCHS, verbose=0,
-                        shuffle=False, callbacks=[Announce()])
+                        shuffle=False, callbacks=callbacks)
     results = {
         "loss": history.history["loss"],
         "eval_loss": model.evaluate(x, y, batch_size=BATCH, verbose=0),
@@ -166,6 +171,10 @@ elif MODE == "load":
         model.load_weights(os.path.join(ckpt, "model.weights.h5"))
         for i, w in enumerate(model.get_weights()):
             results[f"{name}/h5{i}"] = w
+        model = build_lm()
+        model.load_weights(os.path.join(ckpt, "keras_callback.weights.h5"))
+        for i, w in enumerate(model.get_weights()):
+            results[f"{name}/callback{i}"] = w
         model = build_lm()
         tf.train.Checkpoint(model=model).read(os.path.join(ckpt, "tf_ckpt", "ckpt")).expect_partial()
         for i, w in enumerate(model.get_weights()):

@@ -106,13 +106,17 @@ def test_model_split_across_processes_matches(procs, tmp_path, references):
 
 
 def test_checkpoint_of_two_processes_loads_on_other_meshes_and_one_device(hybrid_run, tmp_path):
-    """.keras, .weights.h5 and tf.train.Checkpoint written by the 2-process run (worker 0 writes, all gather)."""
+    """.keras, .weights.h5, tf.train.Checkpoint and Keras' ModelCheckpoint written by the 2-process run.
+
+    Every process gathers the shards; one writes each shared file (worker 0's paths; Keras' callback elects
+    the writer of its shared directory).
+    """
     tmp, results = hybrid_run
     saved = _weights(results[0])
     onto = f"{HYBRID};batch:4,model:2;none"
     loaded = _single(tmp_path / "load.npz", "load", mesh="none", local=8, ckpt=tmp / "ckpt", onto=onto)
     for name in onto.split(";"):
-        for kind in ("keras", "h5", "tf"):
+        for kind in ("keras", "h5", "tf", "callback"):
             got = [loaded[f"{name}/{kind}{i}"] for i in range(len(saved))]
             for a, b in zip(saved, got):
                 np.testing.assert_array_equal(a, b)

@@ -501,8 +501,8 @@ def configure_devices_from_flags(flag_values: flags.FlagValues = FLAGS) -> list[
 
     Returns:
         The names of this process's devices (all GPUs, else the logical
-        CPUs); empty for multi-worker training (the strategy picks them when
-        it is built).
+        CPUs); empty for multi-worker training and for model_parallel in a
+        cluster (the strategy picks them when it is built).
 
     Raises:
         RuntimeError: if TensorFlow's runtime already started with another
@@ -522,6 +522,25 @@ def configure_devices_from_flags(flag_values: flags.FlagValues = FLAGS) -> list[
     if name == "multi_worker":
         return []  # MultiWorkerStrategy must be built before TensorFlow's runtime starts.
     import tensorflow as tf
+
+    cluster = cluster_lib.resolve() if name == "model_parallel" else None
+    if _is_multi_worker(cluster):
+        # One mesh over every process: each gives total / workers devices. Listing them would start
+        # TensorFlow's runtime, which must wait for ModelParallelStrategy to join the other processes.
+        if not tf.config.list_physical_devices("GPU"):
+            count = flag_values.num_devices
+            if not flag_values["num_devices"].present:
+                total, asked_by = _devices_needed(flag_values, name)
+                if total % cluster.num_workers:
+                    raise ValueError(
+                        f"{asked_by} needs {total} devices, which do not split evenly over the "
+                        f"{cluster.num_workers} processes of the cluster {list(cluster.addresses)}. Expected a "
+                        f"--mesh whose sizes multiply to a multiple of {cluster.num_workers}, e.g. "
+                        f"--mesh=batch:{cluster.num_workers},model:4."
+                    )
+                count = total // cluster.num_workers
+            devices_lib.simulate_devices(count)
+        return []
 
     if not tf.config.list_physical_devices("GPU"):
         count = flag_values.num_devices
@@ -569,9 +588,10 @@ def strategy_from_flags(
 
     Args:
         flag_values: parsed flags from `define_flags`.
-        data_sharding: for multi-worker training, how datasets are split over
-            workers (`tfdist.MultiWorkerStrategy`'s `sharding`); a binary whose
-            data is in memory passes "data".
+        data_sharding: for training over several processes, how datasets are
+            split over them (the `sharding` of `tfdist.MultiWorkerStrategy`
+            and `tfdist.ModelParallelStrategy`); a binary whose data is in
+            memory passes "data".
 
     Returns:
         A `tf.distribute.Strategy`: for "data" (and "auto" outside a cluster) a
@@ -614,7 +634,10 @@ def strategy_from_flags(
         _check_device_count(flag_values, name)
         mesh, preset = mesh_from_flags(flag_values), flag_values.rules or DEFAULT_RULES
         try:
-            return ModelParallelStrategy(mesh=mesh, rules=None if preset == "none" else getattr(layouts, preset)())
+            # In a cluster (TF_CONFIG, Slurm) the mesh spans every process; the strategy finds the cluster.
+            return ModelParallelStrategy(
+                mesh=mesh, rules=None if preset == "none" else getattr(layouts, preset)(), sharding=data_sharding
+            )
         except ValueError as e:
             raise ValueError(f"--mesh={format_mesh(mesh)} --rules={preset}: {e}") from e
     if name == "pipeline":

@@ -8,7 +8,8 @@ replaces, the source it checks (its probe) and the features that need it.
 |------------------|-----------------------------------|-----------------------------------------------------------|
 | "data_parallel"  | DataParallelStrategy              | loss_scaling, optimizer, lazy_build, trainer, mirrored    |
 | "multi_worker"   | MultiWorkerStrategy               | data_parallel's + trainer, step_deadline, keras_callbacks |
-| "model_parallel" | ModelParallelStrategy             | trainer, variables, dtensor, optimizer, layer_call        |
+| "model_parallel" | ModelParallelStrategy             | trainer, variables, dtensor, optimizer, layer_call,       |
+|                  |                                   | step_deadline, keras_callbacks (across processes)         |
 | "pipeline"       | PipelineStrategy                  | data_parallel's + variables, layer_call, gradients, ...   |
 | "callbacks"      | tfdist.callbacks.BackupAndRestore | epoch_iterator, callbacks                                 |
 

@@ -21,7 +21,8 @@ TensorFlow's `distributed_file_utils` did for Keras 2, for any file system:
   Only the writer deletes the backup at the end of `fit`.
 
 With one worker, or under any other strategy, Keras keeps its behaviour.
-Installed with the "multi_worker" feature. Checked on Keras 3.15.
+Installed with the "multi_worker" and "model_parallel" features (ModelParallelStrategy
+across processes). Checked on Keras 3.15.
 """
 
 from __future__ import annotations
@@ -198,18 +199,21 @@ HOOKS = (
             *(f"self.{name} = " for name in _BACKUP_PATHS),
         ),
         "multi_worker",
+        "model_parallel",
     ),
     hook(
         "keras_backup_load",
         _Backup._load_model,
         ("file_utils.exists(self._weights_path)", "self.model._initial_epoch = epoch"),
         "multi_worker",
+        "model_parallel",
     ),
     hook(
         "keras_backup_restore",
         _original_backup_begin,
         ("self._load_model()", "file_utils.copy(self._prev_weights_path, self._weights_path)"),
         "multi_worker",
+        "model_parallel",
         patch=(_Backup, "on_train_begin", _backup_on_train_begin),
     ),
     hook(
@@ -221,6 +225,7 @@ HOOKS = (
             "file_utils.File(self._training_metadata_path, ",
         ),
         "multi_worker",
+        "model_parallel",
         patch=(_Backup, "_save_model", _backup_save_model),
     ),
     hook(
@@ -228,6 +233,7 @@ HOOKS = (
         _original_backup_end,
         ("file_utils.rmtree(self.backup_dir)",),
         "multi_worker",
+        "model_parallel",
         patch=(_Backup, "on_train_end", _backup_on_train_end),
     ),
     hook(
@@ -239,6 +245,7 @@ HOOKS = (
             "self.model.save(filepath, overwrite=True)",
         ),
         "multi_worker",
+        "model_parallel",
         patch=(_ModelCheckpoint, "_save_model", _checkpoint_save_model),
     ),
     hook(
@@ -246,5 +253,6 @@ HOOKS = (
         _ModelCheckpoint._get_file_path,
         ("self.filepath.format(",),
         "multi_worker",
+        "model_parallel",
     ),
 )

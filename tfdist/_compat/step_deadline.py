@@ -49,6 +49,7 @@ HOOK = hook(
     _original_call_flat,
     ("if self._bound_context.executing_eagerly():", ".call_function("),
     "multi_worker",
+    "model_parallel",
     patch=(tf_atomic_function.AtomicFunction, "call_flat", _call_flat),
 )
 HOOKS = (HOOK,)

@@ -188,19 +188,22 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         if chosen is not None:
             sharding = chosen  # a policy set on the dataset wins, as under MultiWorkerStrategy
         if sharding == "auto":
-            sharding = "file" if multi_worker.reads_files(dataset) else "data"
-            if sharding == "data":
-                warnings.warn(
-                    f"tfdist.ModelParallelStrategy: the dataset reads no files, so each of the {groups} groups of "
-                    "processes that hold different rows of a batch reads all of it and keeps its rows of every "
-                    f"global batch (DATA sharding; exact, but {groups}x the input work). Pass sharding='data' to "
-                    "silence this warning, or sharding='off' and give each process its own part.",
-                    DataShardingWarning,
-                    stacklevel=3,
-                )
+            sharding = "data"
+            files = multi_worker.reads_files(dataset)
+            warnings.warn(
+                f"tfdist.ModelParallelStrategy: each of the {groups} groups of processes that hold different rows "
+                f"of a batch reads all of the dataset and keeps its rows of every global batch (DATA sharding; "
+                f"exact, but {groups}x the input work)"
+                + (": a dataset is not split by file across processes, which could not ensure that the processes "
+                   "agree on the size of every global batch" if files else "")
+                + ". Pass sharding='data' to silence this warning, or sharding='off' and give each process its "
+                "own rows.",
+                DataShardingWarning,
+                stacklevel=3,
+            )
         if sharding == "file":
             raise ValueError(
-                "tfdist.ModelParallelStrategy across processes does not shard a dataset by file: the processes "
+                "tfdist.ModelParallelStrategy across processes does not split a dataset by file: the processes "
                 "must agree on the size of every global batch, which files of different lengths do not ensure. "
                 "Use sharding='data' (each process reads all and keeps its rows; exact) or sharding='off' (each "
                 f"process's dataset yields only its rows: group {self.batch_groups[1]} of {groups}, see "

@@ -75,10 +75,34 @@ class ModelParallelStrategy(distribute_lib.Strategy):
     numpy or tensors and returns host-readable outputs. Once a model is built,
     the rules that matched none of its weights are named in one warning.
 
-    Limits: devices of this host only; every batch (the last one too) must
-    divide by the batch axis; random ops (dropout) draw other numbers than on
-    one device; each variable's initial value is computed whole on the host,
-    then split.
+    Across processes (one per host): in a cluster (`cluster`, else
+    `TF_CONFIG` or Slurm through `tfdist.cluster.resolve`, as for
+    `MultiWorkerStrategy`, e.g. under `tfdist-launch`) the mesh spans every
+    process' devices, process r holding global devices `[r * L, (r + 1) * L)`
+    of L each; the first mesh axis varies slowest, so over 2 hosts x 4
+    devices `{"batch": 2, "model": 4}` splits the model within each host and
+    the batch across hosts, and `{"batch": 1, "model": 8}` splits the model
+    across hosts. tfdist sets DTensor's environment (`DTENSOR_*`) from the
+    cluster. Construct the strategy first thing, before any TensorFlow op
+    (`tfdist.simulate_devices` may come before it). Every process runs the
+    same program: each reads the whole dataset and keeps its rows of every
+    global batch (`sharding`), processes with the same batch rows get the
+    same examples, and `fit` / `evaluate` / `predict` / `save` /
+    `get_weights` must be called on every process (reading a split weight is
+    a collective). Files: every process saves; Keras' `ModelCheckpoint` /
+    `BackupAndRestore` and tfdist's callbacks let one process write each
+    shared directory (a shared file system such as NFS, or one directory per
+    host), the others writing to a scratch directory; a plain `model.save`
+    gives each process its own path (worker 0's is the file to keep).
+    Failures are bounded: a lost peer fails the others after
+    `heartbeat_timeout` (TensorFlow's coordination service; a watchdog
+    process ends this one 10 s later if TensorFlow did not), a step longer
+    than `timeout` ends the process, and peers that never come end it after
+    `join_timeout`.
+
+    Limits: every batch (the last one too) must divide by the batch axis;
+    random ops (dropout) draw other numbers than on one device; each
+    variable's initial value is computed whole on the host, then split.
 
     Args:
         mesh: mesh axis name -> size; the product must equal the number of
@@ -91,16 +115,37 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         batch_axis: the mesh axis that splits each batch. When the mesh has no
             axis of this name (e.g. `{"model": 8}` with the default "batch"),
             each device sees the whole batch. None: never split batches.
+        cluster: a `tfdist.cluster.Cluster` whose processes share the mesh;
+            defaults to `tfdist.cluster.resolve()` (TF_CONFIG, then Slurm).
+            None found, or one process: this process alone.
+        timeout: across processes, seconds one distributed call (a step, a
+            gather of a split weight) may run before the process is ended;
+            None: no bound.
+        heartbeat_timeout: across processes, seconds without a heartbeat after
+            which a peer counts as lost.
+        join_timeout: across processes, seconds to wait at start-up for all
+            of them; defaults to what `tfdist-launch --join_timeout` set, else
+            300.
+        sharding: across processes, how a `tf.data.Dataset` is split: "auto"
+            or "data" (each process reads all and keeps its rows of each
+            global batch; "auto" warns with a `DataShardingWarning`), "off"
+            (each process' dataset yields only its rows), or "file" (refused
+            across processes: the processes must agree on every batch size).
+            A policy set on the dataset's options wins.
 
     Raises:
         ValueError: for a bad mesh, a mesh whose size differs from the device
-            count, a rule naming an axis the mesh lacks or a layer's output
+            count (of all processes), a mesh in which a process' devices do
+            not fill whole rows, a rule naming an axis the mesh lacks or a layer's output
             (an activation layout such as "d2/output": rules place weights;
             activations follow them and the batch axis), or a `batch_axis`
             (other than the default) that the mesh lacks.
         RuntimeError: if DTensor's all-reduce combining pass is enabled
             (`DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION` other than "0"),
-            which corrupts Adam updates.
+            which corrupts Adam updates; across processes, if TensorFlow's
+            runtime already started, or the peers do not join in time.
+        tfdist.cluster.ClusterError: for an invalid cluster description, or
+            `DTENSOR_*` variables set by hand that disagree with the cluster.
 
     Example:
 
