@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -118,12 +119,19 @@ if MODE in ("fit", "reference"):
     x, y = lm_data()
     model = build_lm()
     data = (x, y)
-    if OPTS.get("tfdata"):
+    if OPTS.get("tfdata") == "global":  # every process gives the global batches
         data = (tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),)
+    elif OPTS.get("tfdata") == "own":  # sharding="off": each process gives only its rows of every global batch
+        groups, group = strategy.extended.batch_groups
+        rows = BATCH // groups
+        mine = np.concatenate([np.arange(s + group * rows, s + (group + 1) * rows) for s in range(0, len(x), BATCH)])
+        data = (tf.data.Dataset.from_tensor_slices((x[mine], y[mine])).batch(rows),)
     class Announce(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             if batch == 2:
                 print("TRAINING", rank, flush=True)
+                if rank == 1 and OPTS.get("stall"):  # alive (it still heartbeats), but never takes its next step
+                    time.sleep(float(OPTS["stall"]))
 
     callbacks = [Announce()]
     if OPTS.get("ckpt"):  # Keras' own callback, every process writing "the same" shared file

@@ -169,6 +169,62 @@ def test_backup_and_restore_resumes_exactly_after_a_kill(procs, tmp_path, hybrid
             np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("tfdata, sharding", [("global", "auto"), ("own", "off")])
+def test_tf_data_input_read_by_data_or_given_per_process(procs, tmp_path, references, tfdata, sharding):
+    """A tf.data pipeline: every process reads all (DATA, with the warning) or only its rows (sharding="off")."""
+    _start(procs, _procs.workers(2), tmp_path / "w", "fit", mesh=HYBRID, tfdata=tfdata, sharding=sharding)
+    assert procs.wait(timeout=300) == [0, 0], [procs.log(i)[-3000:] for i in range(2)]
+    assert ("DataShardingWarning" in procs.log(0)) == (sharding == "auto")
+    for i in range(2):
+        r = dict(np.load(tmp_path / f"w{i}.npz"))
+        np.testing.assert_allclose(r["loss"], references["one"]["loss"], rtol=LOSS_RTOL)
+        for a, b in zip(_weights(references["one"]), _weights(r)):
+            np.testing.assert_allclose(b, a, rtol=0, atol=WEIGHT_ATOL)
+
+
+def test_last_batch_that_does_not_split_is_a_clear_error_on_every_process(procs, tmp_path):
+    """65 examples in batches of 16: the last batch (1 example) cannot split over the batch axis (2)."""
+    _start(procs, _procs.workers(2), tmp_path / "w", "fit", mesh=HYBRID, examples=65)
+    codes = procs.wait(timeout=240)
+    assert all(c not in (None, 0) for c in codes), codes
+    for i in range(2):
+        assert "A batch of 1 examples cannot be split over mesh axis 'batch' of size 2" in procs.log(i)
+
+
+def test_stuck_process_ends_the_other_after_the_step_timeout(procs, tmp_path):
+    """Worker 1 stops taking steps but stays alive (heartbeats go on): worker 0's step overruns `timeout`."""
+    indices = _start(procs, _procs.workers(2), tmp_path / "w", "fit", mesh=HYBRID, epochs=1000, stall=600, timeout=15)
+    deadline = time.monotonic() + 240
+    while "TRAINING 1" not in procs.log(1) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stalled = time.monotonic()
+    code = procs.wait([indices[0]], timeout=90)[0]
+    took = time.monotonic() - stalled
+    assert code not in (None, 0), f"worker 0 still running {took:.0f}s after worker 1 stalled"
+    assert 15 <= took < 60, took
+    assert "a distributed step has run for more than timeout=15s" in procs.log(0)
+
+
+def test_peers_that_never_come_end_the_process_after_join_timeout(procs, tmp_path):
+    """Worker 0 of one cluster and worker 1 of another start alone: each ends naming itself after 10 s."""
+    from tfdist import cluster as cluster_lib
+
+    started = {}
+    for present in (0, 1):
+        addresses = _procs.workers(2)
+        tf_config = cluster_lib.Cluster(workers=addresses, task_index=present).to_tf_config()
+        cmd = [sys.executable, WORKER, str(tmp_path / f"w{present}.npz"), "fit", f"mesh={HYBRID}"]
+        started[present] = (procs.start(cmd, _procs.clean_env(TF_CONFIG=tf_config, TFDIST_JOIN_TIMEOUT="10")),
+                            addresses[present])
+    start = time.monotonic()
+    codes = procs.wait([i for i, _ in started.values()], timeout=60)
+    took = time.monotonic() - start
+    assert all(c not in (None, 0) for c in codes) and took < 60, (codes, took)
+    for present, (i, address) in started.items():
+        assert f"worker {present} ({address})" in procs.log(i), procs.log(i)[-3000:]
+        assert "join" in procs.log(i)
+
+
 BAD_INPUT = r"""
 import os, sys
 import tfdist

@@ -41,7 +41,12 @@ def _call_flat(self, *args):
     if not _every_function and not _has_collectives(self):
         return _original_call_flat(self, *args)
     with deadline.running():
-        return _original_call_flat(self, *args)
+        outputs = _original_call_flat(self, *args)
+        if _every_function:
+            # DTensor's parallel devices run a call asynchronously: the wait for a peer comes later, when the
+            # outputs are read. Wait for them here, inside the timed call.
+            self._bound_context.sync_executors()
+        return outputs
 
 
 HOOK = hook(
