@@ -32,6 +32,7 @@ BENCHMARKS = {
     "scaling": ([], (240, 1800)),
     "multi_worker": ([], (180, 1200)),
     "model_parallel": (["--write"], (240, 2400)),
+    "model_parallel_processes": ([], (300, 1500)),
     "checkpoint": ([], (120, 900)),
     "pipeline": ([], (240, 1800)),
     "xla": ([], (300, 1200)),

@@ -138,6 +138,7 @@ if MODE in ("fit", "reference"):
         os.makedirs(OPTS["ckpt"], exist_ok=True)
         path = os.path.join(OPTS["ckpt"], "keras_callback.weights.h5")
         callbacks.append(keras.callbacks.ModelCheckpoint(path, save_weights_only=True))
+        callbacks.append(tfdist.callbacks.Checkpoint(os.path.join(OPTS["ckpt"], "tfdist"), every_n_epochs=1))
     history = model.fit(*data, batch_size=None if OPTS.get("tfdata") else BATCH, epochs=EPOCHS, verbose=0,
                         shuffle=False, callbacks=callbacks)
     results = {
@@ -179,6 +180,14 @@ elif MODE == "load":
         model.load_weights(os.path.join(ckpt, "model.weights.h5"))
         for i, w in enumerate(model.get_weights()):
             results[f"{name}/h5{i}"] = w
+        model = build_lm()
+        with scope():
+            model.optimizer.build(model.trainable_variables)
+        tfdist.callbacks.restore_checkpoint(model, os.path.join(ckpt, "tfdist"))
+        for i, w in enumerate(model.get_weights()):
+            results[f"{name}/tfdist{i}"] = w
+        for i, v in enumerate(model.optimizer.variables):
+            results[f"{name}/tfdist_opt{i}"] = np.asarray(v)
         model = build_lm()
         model.load_weights(os.path.join(ckpt, "keras_callback.weights.h5"))
         for i, w in enumerate(model.get_weights()):

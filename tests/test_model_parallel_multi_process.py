@@ -106,7 +106,7 @@ def test_model_split_across_processes_matches(procs, tmp_path, references):
 
 
 def test_checkpoint_of_two_processes_loads_on_other_meshes_and_one_device(hybrid_run, tmp_path):
-    """.keras, .weights.h5, tf.train.Checkpoint and Keras' ModelCheckpoint written by the 2-process run.
+    """.keras, .weights.h5, tf.train.Checkpoint, Keras' ModelCheckpoint, tfdist's Checkpoint of the 2-process run.
 
     Every process gathers the shards; one writes each shared file (worker 0's paths; Keras' callback elects
     the writer of its shared directory).
@@ -116,10 +116,13 @@ def test_checkpoint_of_two_processes_loads_on_other_meshes_and_one_device(hybrid
     onto = f"{HYBRID};batch:4,model:2;none"
     loaded = _single(tmp_path / "load.npz", "load", mesh="none", local=8, ckpt=tmp / "ckpt", onto=onto)
     for name in onto.split(";"):
-        for kind in ("keras", "h5", "tf", "callback"):
+        for kind in ("keras", "h5", "tf", "callback", "tfdist"):
             got = [loaded[f"{name}/{kind}{i}"] for i in range(len(saved))]
             for a, b in zip(saved, got):
                 np.testing.assert_array_equal(a, b)
+        slots = _weights(results[0], "opt")  # tfdist's Checkpoint holds the optimizer state too
+        for i, want in enumerate(slots):
+            np.testing.assert_array_equal(loaded[f"{name}/tfdist_opt{i}"], want)
         np.testing.assert_allclose(loaded[f"{name}/pred"], results[0]["pred"], rtol=0, atol=1e-5)
 
 

@@ -120,6 +120,27 @@ def _build_with_step_tf(build, *, inline: bool):
             keras_tf_trainer.tf = tf
 
 
+class _CalledIn:
+    """A Keras step function whose every call runs inside the strategy's `_tfdist_step_call_context()`."""
+
+    def __init__(self, function, call_context):
+        self._function = function
+        self._call_context = call_context
+
+    def __call__(self, *args, **kwargs):
+        with self._call_context():
+            return self._function(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._function, name)
+
+
+def _called_in_context(extended, function):
+    if function is None or isinstance(function, _CalledIn) or extended._tfdist_step_call_context is None:
+        return function
+    return _CalledIn(function, extended._tfdist_step_call_context)
+
+
 def _make_function(self, step_function):
     extended = _extended.extended_of(self._distribute_strategy)
     if extended is None:
@@ -129,8 +150,10 @@ def _make_function(self, step_function):
         extended._tfdist_jit_compile(self)
     inline = extended._tfdist_inline_steps and self.steps_per_execution > 1
     if not inline and not compiled:
-        return _original_make_function(self, step_function)
-    return _build_with_step_tf(lambda: _original_make_function(self, step_function), inline=inline)
+        return _called_in_context(extended, _original_make_function(self, step_function))
+    return _called_in_context(
+        extended, _build_with_step_tf(lambda: _original_make_function(self, step_function), inline=inline)
+    )
 
 
 # ------------------------------------------------------------------ XLA: predict, "auto"
@@ -139,10 +162,18 @@ _original_resolve_auto_jit_compile = _trainer._resolve_auto_jit_compile
 
 
 def _make_predict_function(self, force=False):
+    extended = _extended.extended_of(self._distribute_strategy)
+    if extended is None:
+        return _original_make_predict_function(self, force=force)
+    _make_predict_function_of(self, extended, force)
+    self.predict_function = _called_in_context(extended, self.predict_function)
+    return self.predict_function
+
+
+def _make_predict_function_of(self, extended, force):
     # Keras compiles the predict step inside `strategy.run` (per replica) already; a strategy that
     # cannot compile says so here, one whose replicas span devices gets it uncompiled.
-    extended = _extended.extended_of(self._distribute_strategy)
-    if extended is None or self.run_eagerly or not self.jit_compile:
+    if self.run_eagerly or not self.jit_compile:
         return _original_make_predict_function(self, force=force)
     extended._tfdist_jit_compile(self)
     if extended._tfdist_compiles_replicas:

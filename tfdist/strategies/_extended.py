@@ -21,6 +21,7 @@ defaults keep Keras' own behaviour; each strategy overrides what it changes.
 | `_tfdist_defer_apply()`           | `optimizer.apply` inside an XLA-compiled replica   | False: apply there    |
 | `_tfdist_jit_compile()`           | a step of a model compiled with `jit_compile=True` | raise: no XLA         |
 | `_tfdist_auto_jit()`              | Keras' `jit_compile="auto"`                        | False                 |
+| `_tfdist_step_call_context`       | every call of a Keras train/test/predict function  | None: called as is    |
 
 Outside a replica context (`in_replica()` is None) is where a custom loop without
 `strategy.run` calls the model and the optimizer (DTensor style), in the
@@ -48,6 +49,8 @@ class TfdistExtended:
     # steps_per_execution > 1: whether Keras' per-step tf.function is traced inline into its loop
     # (MirroredStrategy fails on the nested function at run time).
     _tfdist_inline_steps = False
+    # A context-manager factory each call of a Keras train/test/predict function runs in (None: none).
+    _tfdist_step_call_context = None
     # jit_compile=True: whether one replica's whole step can be one XLA cluster (on one device).
     _tfdist_compiles_replicas = False
 
