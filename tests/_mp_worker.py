@@ -225,7 +225,11 @@ elif MODE == "conv":
     x = rng.normal(size=(64, 12, 12, 1)).astype("float32")
     y = rng.integers(0, 10, 64).astype("int32")
     model = build_cnn()
-    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, shuffle=False)
+    data = (x, y)
+    if OPTS.get("tfdata") == "global":  # every process gives the global batches
+        data = (tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),)
+    history = model.fit(*data, batch_size=None if OPTS.get("tfdata") else BATCH, epochs=EPOCHS, verbose=0,
+                        shuffle=False)
     results = {"loss": history.history["loss"], "pred": model.predict(x[:BATCH], batch_size=BATCH, verbose=0)}
     weights_of(model, results)
     if strategy is not None:
