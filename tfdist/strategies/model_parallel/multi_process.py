@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -312,10 +313,30 @@ class ProcessWatchdog:
             stdin=subprocess.PIPE,
         )
         self._fd = self._process.stdin.fileno()
+        self._cluster = cluster
+        self._me = me
 
     def running(self):
-        """A context manager around one distributed call."""
-        return _Running(self._fd)
+        """A context manager around one distributed call; a peer's failure in it is re-raised naming the peer."""
+        return _Running(self._fd, self._explain)
+
+    def _explain(self, error):
+        """`error` (a TensorFlow error of a distributed call) with the lost workers named, or None to keep it."""
+        from tensorflow.python.framework import errors
+
+        if not isinstance(error, (errors.UnavailableError, errors.AbortedError, errors.InternalError)):
+            return None
+        tasks = sorted({int(t) for t in re.findall(rf"/job:{JOB_NAME}/(?:replica:\d+/)?task:(\d+)", error.message)})
+        lost = [f"worker {t} ({self._cluster.addresses[t]})" for t in tasks if t < self._cluster.num_workers]
+        lost = [w for w in lost if not w.startswith(f"worker {self._cluster.rank} ")]
+        if not lost:
+            return None
+        first = error.message.strip().splitlines()[0]
+        message = (
+            f"{WHO}: {self._me} lost {', '.join(lost)} during a distributed step (the process ended or its "
+            f"machine is unreachable; see its log). TensorFlow: {first}"
+        )
+        return type(error)(error.node_def, error.op, message)
 
     def close(self) -> None:
         if self._process.poll() is None:
@@ -324,13 +345,17 @@ class ProcessWatchdog:
 
 
 class _Running:
-    __slots__ = ("_fd",)
+    __slots__ = ("_explain", "_fd")
 
-    def __init__(self, fd):
+    def __init__(self, fd, explain):
         self._fd = fd
+        self._explain = explain
 
     def __enter__(self):
         os.write(self._fd, b"b")
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, error, traceback):
         os.write(self._fd, b"e")
+        explained = self._explain(error) if error is not None else None
+        if explained is not None:
+            raise explained from error
