@@ -324,8 +324,6 @@ def main(argv: list[str]) -> int:
         tf.config.list_physical_devices("GPU")
     try:
         chosen, reason = tfdist_flags.resolve_strategy(FLAGS)
-        if FLAGS.strategy == "auto":
-            print(f"tfdist-train: --strategy=auto chose {chosen}: {reason}", flush=True)
         tfdist_flags.configure_devices_from_flags(FLAGS)
         # The corpus is in memory: every worker holds it and keeps its share of each batch.
         strategy = tfdist_flags.strategy_from_flags(FLAGS, data_sharding="data")
@@ -370,6 +368,8 @@ def main(argv: list[str]) -> int:
     batch = FLAGS.global_batch_size
     steps_per_epoch = FLAGS.steps or math.ceil(train_windows / batch)
 
+    if FLAGS.strategy == "auto":  # once the input is known to be good: bad input prints only its error
+        print(f"tfdist-train: --strategy=auto chose {chosen}: {reason}", flush=True)
     keras.utils.set_random_seed(FLAGS.seed)
     build = functools.partial(_compiled_lm, total_steps=FLAGS.epochs * steps_per_epoch)
     model = build(strategy)
