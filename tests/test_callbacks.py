@@ -166,6 +166,17 @@ def test_backup_and_restore_resumes_mid_epoch_with_steps_per_execution(strategy,
     assert resumed._initial_epoch is None  # the next fit starts from its own initial_epoch
 
 
+_UNINTERRUPTED = {}
+
+
+def uninterrupted(strategy):
+    """`make_model(strategy)` after 3 uninterrupted epochs, and its history: trained once per strategy."""
+    if strategy not in _UNINTERRUPTED:
+        reference = make_model(strategy)
+        _UNINTERRUPTED[strategy] = reference, fit(reference, [], epochs=3).history
+    return _UNINTERRUPTED[strategy]
+
+
 @pytest.mark.parametrize("distributed", [False, True], ids=["no_strategy", "data_parallel"])
 @pytest.mark.parametrize(
     "save_freq, crash_at, restored, epoch",
@@ -178,8 +189,7 @@ def test_resume_ends_with_the_weights_and_history_of_an_uninterrupted_run(
     # At the epoch's last batch the resumed fit skips the whole epoch: no train step builds the compiled
     # metrics ("mae") without a strategy, yet the epoch end reads them.
     use = strategy if distributed else None
-    reference = make_model(use)
-    want = fit(reference, [], epochs=3).history
+    reference, want = uninterrupted(use)
     with pytest.raises(KeyboardInterrupt):
         fit(make_model(use), [cb.BackupAndRestore(tmp_path, save_freq=save_freq), Crash(crash_at)], epochs=3)
     resumed = make_model(use)

@@ -47,14 +47,35 @@ def data(n, seed=0):
     return x, y
 
 
-def train_both(optimizer, x, y, *, strategy=None, regularized=False, **fit_kwargs):
+# One-device reference runs, shared by the tests that train the same model on the same data the same way.
+_REFERENCES = {}
+
+
+def reference(name, optimizer, x, y, *, regularized=False, **fit_kwargs):
+    """The one-device model `cnn(optimizer)` trained on (x, y), and its history; trained once per module.
+
+    `name` stands for `optimizer` (which may be a lambda); the key holds every other input as well.
+    """
     fit_kwargs = {"epochs": 2, "shuffle": False, "verbose": 0, **fit_kwargs}
-    ref = cnn(optimizer, regularized=regularized)
-    ref_hist = ref.fit(x, y, **fit_kwargs).history
+    key = (name, regularized, x.tobytes(), y.tobytes(), tuple(sorted(fit_kwargs.items())))
+    if key not in _REFERENCES:
+        ref = cnn(optimizer, regularized=regularized)
+        _REFERENCES[key] = ref, ref.fit(x, y, **fit_kwargs).history
+    return _REFERENCES[key]
+
+
+def train_dist(optimizer, x, y, *, strategy=None, regularized=False, **fit_kwargs):
+    fit_kwargs = {"epochs": 2, "shuffle": False, "verbose": 0, **fit_kwargs}
     strategy = strategy or tfdist.DataParallelStrategy(devices=DEVICES)
     with strategy.scope():
         dist = cnn(optimizer, regularized=regularized)
-    dist_hist = dist.fit(x, y, **fit_kwargs).history
+    return dist, dist.fit(x, y, **fit_kwargs).history
+
+
+def train_both(name, optimizer, x, y, *, strategy=None, regularized=False, **fit_kwargs):
+    """The shared one-device reference (see `reference`) and a fresh run under `strategy`."""
+    ref, ref_hist = reference(name, optimizer, x, y, regularized=regularized, **fit_kwargs)
+    dist, dist_hist = train_dist(optimizer, x, y, strategy=strategy, regularized=regularized, **fit_kwargs)
     return ref, ref_hist, dist, dist_hist
 
 
@@ -82,7 +103,7 @@ def test_fit_matches_single_device(n, batch_size):
 
 def assert_fit_matches_single_device(n, batch_size, strategy=None):
     x, y = data(n)
-    ref, ref_hist, dist, dist_hist = train_both(sgd, x, y, batch_size=batch_size, strategy=strategy)
+    ref, ref_hist, dist, dist_hist = train_both("sgd", sgd, x, y, batch_size=batch_size, strategy=strategy)
     assert_weights_close(ref, dist, SGD_ATOL)
     np.testing.assert_allclose(dist_hist["loss"], ref_hist["loss"], rtol=LOSS_RTOL)
     np.testing.assert_allclose(dist_hist["accuracy"], ref_hist["accuracy"], rtol=LOSS_RTOL)
@@ -109,7 +130,7 @@ def test_fit_with_tf_data_regularizer_and_sample_weight():
 
 def test_adam_matches_single_device():
     x, y = data(42)
-    ref, ref_hist, dist, dist_hist = train_both(lambda: keras.optimizers.Adam(1e-2), x, y, batch_size=16)
+    ref, ref_hist, dist, dist_hist = train_both("adam", lambda: keras.optimizers.Adam(1e-2), x, y, batch_size=16)
     assert_weights_close(ref, dist, ADAM_ATOL)
     np.testing.assert_allclose(dist_hist["loss"], ref_hist["loss"], rtol=1e-4)
 
@@ -122,7 +143,7 @@ def test_adam_matches_single_device():
 def test_clipping_acts_on_the_all_reduced_gradient(clip):
     x, y = data(42)
     ref, ref_hist, dist, dist_hist = train_both(
-        lambda: keras.optimizers.SGD(0.5, **clip), x, y, batch_size=16
+        ("sgd0.5", tuple(clip.items())), lambda: keras.optimizers.SGD(0.5, **clip), x, y, batch_size=16
     )
     assert_weights_close(ref, dist, SGD_ATOL)
     np.testing.assert_allclose(dist_hist["loss"], ref_hist["loss"], rtol=LOSS_RTOL)
@@ -138,7 +159,7 @@ def test_gradient_accumulation_matches_single_device(optimizer, replicas):
 
     x, y = data(42)
     strategy = tfdist.DataParallelStrategy(devices=DEVICES[:replicas])
-    ref, ref_hist, dist, dist_hist = train_both(make, x, y, strategy=strategy, batch_size=8)
+    ref, ref_hist, dist, dist_hist = train_both(("accumulate", optimizer), make, x, y, strategy=strategy, batch_size=8)
     assert_weights_close(ref, dist, SGD_ATOL if optimizer == "sgd" else ADAM_ATOL)
     np.testing.assert_allclose(dist_hist["loss"], ref_hist["loss"], rtol=1e-4)
     micro_steps = 2 * -(-42 // 8)  # 2 epochs of 6 batches (the last one of 2 examples)
@@ -148,7 +169,7 @@ def test_gradient_accumulation_matches_single_device(optimizer, replicas):
 @pytest.mark.parametrize("n", [42, 34])  # 34: the last batch of 2 leaves two replicas empty
 def test_evaluate_and_predict_match_single_device(n):
     x, y = data(n)
-    ref, _, dist, _ = train_both(sgd, x, y, batch_size=16, epochs=1)
+    ref, _, dist, _ = train_both("sgd", sgd, x, y, batch_size=16, epochs=1)
     ref_eval = ref.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
     dist_eval = dist.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
     for key in ("loss", "accuracy"):
@@ -163,7 +184,7 @@ def test_every_communication_matches_single_device(communication):
     x, y = data(42)
     strategy = tfdist.DataParallelStrategy(devices=DEVICES, communication=communication)
     assert strategy.resolved_communication == communication
-    ref, _, dist, _ = train_both(sgd, x, y, batch_size=16, strategy=strategy)
+    ref, _, dist, _ = train_both("sgd", sgd, x, y, batch_size=16, strategy=strategy)
     assert_weights_close(ref, dist, SGD_ATOL)
 
 
@@ -174,8 +195,10 @@ def test_compressed_all_reduce_stays_close_to_float32(gradient_dtype, atol):
     exact = tfdist.DataParallelStrategy(devices=DEVICES)
     narrow = tfdist.DataParallelStrategy(devices=DEVICES, gradient_dtype=gradient_dtype)
     assert f"gradient_dtype={gradient_dtype!r}" in repr(narrow)
-    _, _, ref, _ = train_both(sgd, x, y, batch_size=16, strategy=exact)
-    _, _, dist, _ = train_both(sgd, x, y, batch_size=16, strategy=narrow)
+    if "float32_all_reduce" not in _REFERENCES:  # shared by both cases
+        _REFERENCES["float32_all_reduce"] = train_dist(sgd, x, y, batch_size=16, strategy=exact)[0]
+    ref = _REFERENCES["float32_all_reduce"]
+    dist, _ = train_dist(sgd, x, y, batch_size=16, strategy=narrow)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(ref.get_weights(), dist.get_weights()))
     assert 0 < diff < atol, diff  # rounded on the wire (not exact), but close
 
@@ -324,8 +347,11 @@ def assert_reshuffling_dataset_trains_on_the_same_order(strategy):
     def dataset():
         return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=5).batch(16)
 
-    ref = cnn(sgd)
-    ref.fit(dataset(), epochs=2, verbose=0)
+    if "reshuffling" not in _REFERENCES:  # one device, shared by the two tests that call this
+        ref = cnn(sgd)
+        ref.fit(dataset(), epochs=2, verbose=0)
+        _REFERENCES["reshuffling"] = ref
+    ref = _REFERENCES["reshuffling"]
     with strategy.scope():
         dist = cnn(sgd)
     dist.fit(dataset(), epochs=2, verbose=0)

@@ -7,6 +7,7 @@ single-process Keras run on the same global batch.
 
 import dataclasses
 import re
+import sys
 import time
 
 import _procs
@@ -33,14 +34,14 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Single-process runs (no strategy), by config name."""
+    """Single-process runs (no strategy), by config name: one process trains them one after the other."""
     tmp = tmp_path_factory.mktemp("reference")
     p = _procs.Procs(tmp)
+    runs = [f"{name}:" + ",".join(f"{k}={v}" for k, v in opts.items()) for name, opts in CONFIGS.items()]
     try:
-        for name, opts in CONFIGS.items():
-            p.start_worker(("127.0.0.1:1",), 0, tmp / f"{name}.npz", "reference", **opts)
-        codes = p.wait(timeout=180)
-        assert codes == [0] * len(CONFIGS), [p.log(i)[-2000:] for i in range(len(CONFIGS))]
+        p.start([sys.executable, _procs.WORKER, str(tmp), "references", *runs], _procs.clean_env())
+        codes = p.wait(timeout=240)
+        assert codes == [0], p.log(0)[-3000:]
     finally:
         p.kill_all()
     return {name: dict(np.load(tmp / f"{name}.npz")) for name in CONFIGS}

@@ -60,25 +60,35 @@ def lm_data(n=32, seed=1):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def compare(build, x, y, strategy, *, atol, batch_size=8, epochs=2):
-    fit = {"batch_size": batch_size, "epochs": epochs, "shuffle": False, "verbose": 0}
-    ref = build()
-    ref_hist = ref.fit(x, y, **fit).history
+# One-device reference runs, shared by the tests that train the same model on the same data the same way.
+_REFERENCES = {}
+
+
+def reference(name, build, x, y, *, batch_size, epochs):
+    """`build()` trained on one device, its history, evaluate and predict; trained once per module.
+
+    `name` stands for `build` (a lambda or closure); the key holds every other input as well.
+    """
+    key = (name, x.tobytes(), y.tobytes(), batch_size, epochs)
+    if key not in _REFERENCES:
+        ref = build()
+        ref_hist = ref.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0).history
+        evaluated = ref.evaluate(x, y, batch_size=batch_size, verbose=0)
+        _REFERENCES[key] = ref, ref_hist, evaluated, ref.predict(x, batch_size=batch_size, verbose=0)
+    return _REFERENCES[key]
+
+
+def compare(name, build, x, y, strategy, *, atol, batch_size=8, epochs=2):
+    ref, ref_hist, ref_evaluated, ref_predicted = reference(name, build, x, y, batch_size=batch_size, epochs=epochs)
     with strategy.scope():
         model = build()
-    hist = model.fit(x, y, **fit).history
+    hist = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0).history
     for a, b in zip(ref.weights, model.weights):
         np.testing.assert_allclose(b.numpy(), a.numpy(), atol=atol, rtol=0, err_msg=a.path)
     for key in ref_hist:
         np.testing.assert_allclose(hist[key], ref_hist[key], rtol=RTOL, err_msg=key)
-    np.testing.assert_allclose(
-        model.evaluate(x, y, batch_size=batch_size, verbose=0),
-        ref.evaluate(x, y, batch_size=batch_size, verbose=0),
-        rtol=RTOL,
-    )
-    np.testing.assert_allclose(
-        model.predict(x, batch_size=batch_size, verbose=0), ref.predict(x, batch_size=batch_size, verbose=0), atol=1e-5
-    )
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=batch_size, verbose=0), ref_evaluated, rtol=RTOL)
+    np.testing.assert_allclose(model.predict(x, batch_size=batch_size, verbose=0), ref_predicted, atol=1e-5)
     return ref, model
 
 
@@ -93,7 +103,7 @@ def test_mlp_matches_one_device(stages, optimizer):
     x, y = mlp_data()
     strategy = tfdist.PipelineStrategy(stages=stages, microbatches=4)
     _, model = compare(
-        lambda: mlp6(optimizer), x, y, strategy, atol=SGD_ATOL if optimizer == "sgd" else ADAM_ATOL
+        ("mlp6", optimizer), lambda: mlp6(optimizer), x, y, strategy, atol=SGD_ATOL if optimizer == "sgd" else ADAM_ATOL
     )
     plan = strategy.plan
     assert plan.stages == stages and sum(len(s) for s in plan.layers) == 6
@@ -112,7 +122,7 @@ def test_mlp_matches_one_device(stages, optimizer):
 def test_transformer_matches_one_device(stages):
     x, y = lm_data()
     strategy = tfdist.PipelineStrategy(stages=stages, microbatches=4)
-    compare(lm, x, y, strategy, atol=ADAM_ATOL, epochs=1)
+    compare("lm", lm, x, y, strategy, atol=ADAM_ATOL, epochs=1)
     assert strategy.plan.stages == stages
     blocks = [strategy.plan.stage_of(f"block_{i}") for i in range(2)]
     assert blocks == sorted(blocks)
@@ -123,7 +133,7 @@ def test_hybrid_two_stages_two_replicas():
     strategy = tfdist.PipelineStrategy(stages=2, microbatches=2, replicas=2, devices=[f"CPU:{i}" for i in range(4)])
     assert strategy.num_replicas_in_sync == 2
     assert strategy.stage_devices == [["/device:CPU:0", "/device:CPU:2"], ["/device:CPU:1", "/device:CPU:3"]]
-    _, model = compare(lambda: mlp6("adam"), x, y, strategy, atol=ADAM_ATOL)
+    _, model = compare(("mlp6", "adam"), lambda: mlp6("adam"), x, y, strategy, atol=ADAM_ATOL)
     assert strategy.plan.stage_of("d0") == 0 and strategy.plan.stage_of("d5") == 1
     assert devices_of(model.get_layer("d0").kernel) == {"CPU:0", "CPU:2"}
     assert devices_of(model.get_layer("d5").kernel) == {"CPU:1", "CPU:3"}
@@ -132,7 +142,8 @@ def test_hybrid_two_stages_two_replicas():
 def test_uneven_final_batch_and_empty_microbatches():
     # 42 examples in batches of 8: the last batch has 2 examples for 4 micro-batches (two are empty).
     x, y = mlp_data(42)
-    compare(lambda: mlp6("sgd"), x, y, tfdist.PipelineStrategy(stages=2, microbatches=4), atol=SGD_ATOL)
+    strategy = tfdist.PipelineStrategy(stages=2, microbatches=4)
+    compare(("mlp6", "sgd"), lambda: mlp6("sgd"), x, y, strategy, atol=SGD_ATOL)
 
 
 class UserPipelineStrategy(tfdist.PipelineStrategy):
@@ -144,7 +155,7 @@ def test_a_users_subclass_keeps_the_uneven_first_batch_fix():
     # crashes Keras' own symbolic build (AddN of unequal shapes), then 3/2 and 2/2 over micro-batches.
     x, y = mlp_data(9)
     strategy = UserPipelineStrategy(stages=2, microbatches=2, replicas=2, devices=[f"CPU:{i}" for i in range(4)])
-    compare(lambda: mlp6("sgd"), x, y, strategy, atol=SGD_ATOL, batch_size=16)
+    compare(("mlp6", "sgd"), lambda: mlp6("sgd"), x, y, strategy, atol=SGD_ATOL, batch_size=16)
 
 
 def test_a_users_subclass_keeps_the_reshuffle_order():
@@ -233,7 +244,7 @@ def test_gradient_accumulation_and_clipping(replicas):
 
     x, y = mlp_data()
     strategy = tfdist.PipelineStrategy(stages=2, microbatches=4 // replicas, replicas=replicas)
-    _, model = compare(build, x, y, strategy, atol=ADAM_ATOL)
+    _, model = compare("adam_accumulate_clip", build, x, y, strategy, atol=ADAM_ATOL)
     assert int(model.optimizer.iterations.numpy()) == 5  # 10 steps, accumulated in pairs
 
 
@@ -251,7 +262,7 @@ def test_loss_scale_optimizer(replicas):
 
     x, y = mlp_data()
     strategy = tfdist.PipelineStrategy(stages=2, microbatches=4 // replicas, replicas=replicas)
-    _, model = compare(build, x, y, strategy, atol=SGD_ATOL)
+    _, model = compare("sgd_loss_scale", build, x, y, strategy, atol=SGD_ATOL)
     assert int(model.optimizer.iterations.numpy()) == 10  # 5 steps x 2 epochs, one update each
 
 
@@ -281,7 +292,7 @@ def test_steps_per_execution_and_on_batch_methods():
         )
         return model
 
-    compare(build, x, y, tfdist.PipelineStrategy(stages=2, microbatches=4), atol=SGD_ATOL)
+    compare("sgd_steps_per_execution_2", build, x, y, tfdist.PipelineStrategy(stages=2, microbatches=4), atol=SGD_ATOL)
     ref = mlp6("sgd")
     strategy = tfdist.PipelineStrategy(stages=2, microbatches=4)
     with strategy.scope():
@@ -303,7 +314,7 @@ def test_model_without_input_built_by_fit():
 
     x, y = mlp_data()
     strategy = tfdist.PipelineStrategy(stages=3, microbatches=2, placement={"d0": 0, "d1": 1, "d2": 2})
-    compare(build, x, np.tile(y[:, None], (1, 16)).astype("float32"), strategy, atol=SGD_ATOL)
+    compare("no_input", build, x, np.tile(y[:, None], (1, 16)).astype("float32"), strategy, atol=SGD_ATOL)
     assert strategy.plan.layers == (("d0",), ("d1",), ("d2",))
 
 

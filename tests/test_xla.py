@@ -65,6 +65,20 @@ def train(strategy, batch_size=16, n=62, **model_kwargs):
     return model, history, evaluated, predicted
 
 
+_ONE_DEVICE = {}
+
+
+def one_device(optimizer="sgd", n=62):
+    """The one-device run (compiled with XLA) that runs under a strategy are compared with; once per module.
+
+    Keyed by what changes its numbers. Not by `steps_per_execution`: on one device Keras loops over the
+    same compiled step on the same batches, and the run is bit for bit the one with steps_per_execution=1.
+    """
+    if (optimizer, n) not in _ONE_DEVICE:
+        _ONE_DEVICE[optimizer, n] = train(tf.distribute.get_strategy(), n=n, jit_compile=True, optimizer=optimizer)
+    return _ONE_DEVICE[optimizer, n]
+
+
 def assert_same_run(run, reference):
     model, history, evaluated, predicted = run
     ref_model, ref_history, ref_evaluated, ref_predicted = reference
@@ -88,7 +102,7 @@ def _device_index(device):
 )
 def test_data_parallel_compiles_each_replica_and_matches_one_device(optimizer, steps_per_execution):
     kwargs = dict(optimizer=optimizer, steps_per_execution=steps_per_execution)
-    reference = train(tf.distribute.get_strategy(), jit_compile=True, **kwargs)
+    reference = one_device(optimizer)
     strategy = tfdist.DataParallelStrategy(devices=[f"CPU:{i}" for i in range(4)])
     # 62 examples in batches of 16: the last step splits 4/4/3/3 over the replicas.
     run = train(strategy, jit_compile=True, **kwargs)
@@ -112,40 +126,61 @@ import keras, numpy as np, tensorflow as tf
 import tfdist
 tfdist.simulate_devices(2)
 raw = sys.argv[1] == "raw"
-jit = sys.argv[2] == "1"
 devices = ["CPU:0", "CPU:1"]
-s = tf.distribute.MirroredStrategy(devices) if raw else tfdist.DataParallelStrategy(devices=devices)
-with s.scope():
-    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    m.compile(optimizer="sgd", loss="mse", jit_compile=jit)
-try:
-    m.fit(np.ones((8, 4), "float32"), np.ones((8, 1), "float32"), batch_size=4, verbose=0)
-    print("RESULT trained")
-except tf.errors.InvalidArgumentError as e:
-    print("RESULT failed", "Trying to access resource" in str(e))
+for jit in sys.argv[2:]:  # one fit per value, each with its own strategy and model; its log after a marker line
+    print(f"RUN jit={jit}", file=sys.stderr, flush=True)
+    s = tf.distribute.MirroredStrategy(devices) if raw else tfdist.DataParallelStrategy(devices=devices)
+    with s.scope():
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        m.compile(optimizer="sgd", loss="mse", jit_compile=jit == "1")
+    try:
+        m.fit(np.ones((8, 4), "float32"), np.ones((8, 1), "float32"), batch_size=4, verbose=0)
+        print(f"RESULT jit={jit} trained", flush=True)
+    except tf.errors.InvalidArgumentError as e:
+        print(f"RESULT jit={jit} failed", "Trying to access resource" in str(e), flush=True)
+    sys.stderr.flush()
 """
 
 
-@pytest.mark.parametrize("raw, jit", [("raw", "1"), ("tfdist", "1"), ("tfdist", "0")])
-def test_xla_really_compiles_where_raw_mirrored_strategy_fails(tmp_path, raw, jit):
-    """In processes of their own (plain MirroredStrategy collectives would share keys with the other
-    tests), with TensorFlow's info log on: it says "Compiled cluster using XLA!" when XLA ran."""
+def _xla_runs(tmp_path, raw, *jits):
+    """Runs `_XLA_RUN` in a process of its own: {jit: (the RESULT line or None, that fit's stderr)}."""
     script = tmp_path / "xla_run.py"
     script.write_text(_XLA_RUN)
-    out = _procs.run([sys.executable, str(script), raw, jit], timeout=300, env={"TF_CPP_MIN_LOG_LEVEL": "0"})
-    result = re.search(r"RESULT .*", out.stdout)
+    out = _procs.run([sys.executable, str(script), raw, *jits], timeout=300, env={"TF_CPP_MIN_LOG_LEVEL": "0"})
+    logs = re.split(r"^RUN jit=(\d)$", out.stderr, flags=re.MULTILINE)[1:]
+    stderr = dict(zip(logs[::2], logs[1::2]))
+    runs = {}
+    for jit in jits:
+        result = re.search(rf"RESULT jit={jit} (.*)", out.stdout)
+        runs[jit] = (result and result.group(1), stderr.get(jit, out.stderr))
+    return runs, out
+
+
+@pytest.fixture(scope="module")
+def tfdist_xla_runs(tmp_path_factory):
+    """Both tfdist fits (jit_compile False, then True) in one process."""
+    return _xla_runs(tmp_path_factory.mktemp("xla_run"), "tfdist", "0", "1")
+
+
+@pytest.mark.parametrize("raw, jit", [("raw", "1"), ("tfdist", "1"), ("tfdist", "0")])
+def test_xla_really_compiles_where_raw_mirrored_strategy_fails(request, tmp_path, raw, jit):
+    """In processes of their own (plain MirroredStrategy collectives would share keys with the other
+    tests), with TensorFlow's info log on: it says "Compiled cluster using XLA!" when XLA ran.
+    The two tfdist fits share one process (each fit's log is told apart by a marker line before it)."""
+    runs, out = request.getfixturevalue("tfdist_xla_runs") if raw == "tfdist" else _xla_runs(tmp_path, raw, jit)
+    result, stderr = runs[jit]
     assert result, out.stdout[-2000:] + out.stderr[-3000:]
-    compiled = "Compiled cluster using XLA" in out.stderr
+    compiled = "Compiled cluster using XLA" in stderr
     if raw == "raw":  # Keras' one cluster over both replicas cannot reach replica 1's variables
-        assert result.group() == "RESULT failed True", out.stderr[-3000:]
+        assert result == "failed True", stderr[-3000:]
     else:
-        assert result.group() == "RESULT trained", out.stderr[-3000:]
-        assert compiled == (jit == "1"), out.stderr[-3000:]
+        assert result == "trained", stderr[-3000:]
+        assert compiled == (jit == "1"), stderr[-3000:]
 
 
 def test_pipeline_compiles_each_stage_layer_on_its_device():
     # 64 examples in batches of 16: one trace of the step.
-    reference = train(tf.distribute.get_strategy(), jit_compile=True, n=64)
+    reference = one_device(n=64)
     strategy = tfdist.PipelineStrategy(stages=2, microbatches=2, devices=["CPU:0", "CPU:1"])
     run = train(strategy, jit_compile=True, n=64)
     assert_same_run(run, reference)
