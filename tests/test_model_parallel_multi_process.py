@@ -202,7 +202,8 @@ def test_stuck_process_ends_the_other_after_the_step_timeout(procs, tmp_path):
     code = procs.wait([indices[0]], timeout=90)[0]
     took = time.monotonic() - stalled
     assert code not in (None, 0), f"worker 0 still running {took:.0f}s after worker 1 stalled"
-    assert 15 <= took < 60, took
+    # The test sees the stall a little after worker 0's step began waiting: `took` can be slightly under 15 s.
+    assert 10 <= took < 60, took
     assert "a distributed step has run for more than timeout=15s" in procs.log(0)
 
 
