@@ -23,6 +23,7 @@ _PUBLIC = {
     "MultiWorkerStrategy": "tfdist.strategies.multi_worker",
     "ModelParallelStrategy": "tfdist.strategies.model_parallel",
     "PipelineStrategy": "tfdist.strategies.pipeline",
+    "ShardedDataParallelStrategy": "tfdist.strategies.sharded_data_parallel",
     "advise": "tfdist.advisor",
     "CompatError": "tfdist.errors",
     "ClusterError": "tfdist.errors",
@@ -50,6 +51,7 @@ if TYPE_CHECKING:  # IDEs and type checkers see the names (`x as x`: re-exported
     from tfdist.strategies.model_parallel import ModelParallelStrategy as ModelParallelStrategy
     from tfdist.strategies.multi_worker import MultiWorkerStrategy as MultiWorkerStrategy
     from tfdist.strategies.pipeline import PipelineStrategy as PipelineStrategy
+    from tfdist.strategies.sharded_data_parallel import ShardedDataParallelStrategy as ShardedDataParallelStrategy
 
 
 def __getattr__(name):

@@ -19,7 +19,12 @@ def unmatched_rule_lines(unmatched) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class VariablePlacement:
-    """Where one variable lives: its path, global shape, per-dimension spec and bytes."""
+    """Where one variable lives: its path, global shape, per-dimension spec and bytes.
+
+    `gathered`: stored split, read in another layout in each step. `note`: under
+    sharded data parallelism, the dimension the data axis splits, or why the
+    variable stays replicated over it.
+    """
 
     path: str
     shape: tuple
@@ -28,6 +33,7 @@ class VariablePlacement:
     bytes_total: int
     bytes_per_device: int
     gathered: bool = False
+    note: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +65,18 @@ class PlacementReport:
 
     def table(self) -> str:
         """The report as a text table."""
-        rows = [("path", "shape", "layout", "bytes total", "bytes/device")]
+        notes = any(v.note for v in self.variables)
+        rows = [("path", "shape", "layout", "bytes total", "bytes/device") + (("sharding",) if notes else ())]
         for v in self.variables:
             layout = (
                 "(" + ", ".join("-" if a is None else a for a in v.spec) + ")" + (" gathered" if v.gathered else "")
             )
-            rows.append((v.path, str(list(v.shape)), layout, f"{v.bytes_total:,}", f"{v.bytes_per_device:,}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+            row = (v.path, str(list(v.shape)), layout, f"{v.bytes_total:,}", f"{v.bytes_per_device:,}")
+            rows.append(row + ((v.note,) if notes else ()))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [
-            "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows
+            "  ".join(c.rjust(w) if i in (3, 4) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            for r in rows
         ]
         lines.insert(1, "-" * len(lines[0]))
         per_device = set(self.bytes_per_device.values())

@@ -31,6 +31,8 @@ from tfdist.strategies.model_parallel.variables import replicated
 from tfdist.strategies.model_parallel.variables import shard_value
 
 DataShardingWarning = errors.DataShardingWarning
+# Keras names the gradient accumulators of `gradient_accumulation_steps` "<variable path>_gradient_accumulator".
+ACCUMULATOR_SUFFIX = "_gradient_accumulator"
 
 
 class DTensorBatches:
@@ -63,12 +65,19 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         mesh: the DTensor mesh every variable and batch is laid out on.
         rules: the `LayoutRules` that give each variable path its layout.
         batch_axis: the mesh axis batches are split over, or None.
+        cluster: the processes that share the mesh, or None for this one.
+        sharding: across processes, how a tf.data dataset is split.
+        auto_shard: an `auto_shard.AutoShard` that also splits variables over
+            the batch axis (sharded data parallelism), or None.
     """
 
-    def __init__(self, container_strategy, *, mesh, rules, batch_axis, cluster=None, sharding="auto"):
+    def __init__(
+        self, container_strategy, *, mesh, rules, batch_axis, cluster=None, sharding="auto", auto_shard=None
+    ):
         super().__init__(container_strategy, mesh.local_devices()[0])
         self.mesh = mesh
         self.rules = rules
+        self.auto_shard = auto_shard  # an AutoShard: sharded data parallelism over the batch axis, or None
         self.batch_axis = batch_axis
         self._axes = mesh_lib.mesh_axes(mesh)
         self._cluster = cluster
@@ -84,10 +93,28 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         self._rules_checked = weakref.WeakSet()  # models whose unmatched rules were reported
 
     # ------------------------------------------------------------------ variables
-    def layout_for(self, path, shape):
-        """The layout of a variable, and whether it is gathered for use."""
+    def plan(self, path, shape, *, trainable=True):
+        """Where a model variable goes: `(stored spec, compute spec or None, slot spec or None, note)`.
+
+        The stored spec is the rules' spec, plus the data axis on one dimension
+        under sharded data parallelism with shard="weights"; the compute spec
+        (None: as stored) is the layout reads take in a step; the slot spec
+        (None: as stored) is where its optimizer slots go (shard="optimizer").
+        """
         spec, rule = self.rules.resolve(path, shape, self._axes)
-        return layout_of(spec, self.mesh), bool(rule is not None and rule.gather)
+        compute = (None,) * len(shape) if rule is not None and rule.gather else None
+        auto, slot, note = self.auto_shard, None, ""
+        if auto is None:
+            return spec, compute, None, note
+        self._check_auto_rule(path, rule)
+        if not trainable:
+            return spec, compute, None, f"replicated over {auto.axis!r}: not trainable (as FSDP leaves buffers)"
+        split, note = auto.extend(spec, shape)
+        if split != spec and auto.mode == "weights":
+            compute, spec = compute or spec, split
+        elif split != spec:
+            slot, note = split, f"weight whole over {auto.axis!r}; optimizer slots {note}"
+        return spec, compute, slot, note
 
     def _create_variable(self, next_creator, **kwargs):
         colocate_with = kwargs.pop("colocate_with", None)
@@ -101,16 +128,41 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
             if dtensor.is_dtensor(init):
                 init = gather(init)
             shape = tuple(init.shape)
-            gathered = False
+            note, compute, slot = "", None, None
             if isinstance(colocate_with, dtensor.DVariable) and tuple(colocate_with.shape) == shape:
-                layout = colocate_with.layout  # an optimizer slot follows its variable
+                # An optimizer slot follows its variable (ZeRO-1: split as planned for the variable's slots). A
+                # gradient accumulator stays in its variable's layout: Keras adds it to the (whole) gradient.
+                layout = colocate_with.layout
+                if not str(kwargs.get("name") or "").endswith(ACCUMULATOR_SUFFIX):
+                    layout = getattr(colocate_with, "_tfdist_slot_layout", None) or layout
+                    note = getattr(colocate_with, "_tfdist_note", "")
             elif colocate_with is not None:
                 layout = replicated(self.mesh, len(shape))
             else:
                 path = keras_variables.variable_path(kwargs.get("name") or "variable")
-                layout, gathered = self.layout_for(path, shape)
-            cls = GatheredVariable if gathered else ShardedVariable
-            return cls(shard_value(init, layout), **kwargs)
+                spec, compute, slot, note = self.plan(path, shape, trainable=kwargs.get("trainable", True))
+                layout = layout_of(spec, self.mesh)
+            if compute is not None:
+                compute = layout_of(compute, self.mesh)
+                variable = GatheredVariable(shard_value(init, layout), compute_layout=compute, **kwargs)
+            else:
+                variable = ShardedVariable(shard_value(init, layout), **kwargs)
+            variable._tfdist_note = note
+            if slot is not None:
+                variable._tfdist_slot_layout = layout_of(slot, self.mesh)
+            variable._tfdist_relayout_assign = self.auto_shard is not None
+            return variable
+
+    def _check_auto_rule(self, path, rule) -> None:
+        """Raises when a layout rule for `path` uses the axis that sharded data parallelism splits over."""
+        axis = self.auto_shard.axis
+        if rule is not None and axis in rule.axes:
+            raise ValueError(
+                f"Layout rule {rule} (matching {path!r}) splits a dimension over mesh axis {axis!r}, the axis "
+                f"that sharded data parallelism (shard={self.auto_shard.mode!r}) splits variables over itself. "
+                f"A rule may use only the other mesh axes ({[a for a in self._axes if a != axis]}); remove "
+                f"{axis!r} from its spec and the data axis will split one of the dimensions it keeps whole."
+            )
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
         del colocate_with_variable  # any variable; its layout is reused when shapes agree
@@ -127,14 +179,10 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         rank = value.shape.rank
         if not rank or self.batch_axis is None:
             return shard_value(value, replicated(self.mesh, rank or 0))
-        parts = self._axes[self.batch_axis]
-        if value.shape[0] % parts:
-            raise ValueError(
-                f"A batch of {value.shape[0]} examples cannot be split over mesh axis "
-                f"{self.batch_axis!r} of size {parts}. Use a batch size divisible by {parts} "
-                "(for the last batch of a dataset: `dataset.batch(n, drop_remainder=True)`, or a "
-                f"number of examples divisible by the batch size)."
-            )
+        if value.shape[0] % self._axes[self.batch_axis]:
+            # A batch the batch axis does not divide (the last one of a dataset): every device computes all of it.
+            # The step is the one-device step (a trace of its own, as its shape is new anyway).
+            return shard_value(value, replicated(self.mesh, rank))
         return shard_value(value, dtensor.Layout.batch_sharded(self.mesh, self.batch_axis, rank))
 
     _tfdist_shard_batch = shard_batch  # the *_on_batch hook shards host inputs with it
@@ -315,6 +363,19 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
                 UserWarning,
                 stacklevel=3,
             )
+
+    def _update(self, var, fn, args, kwargs, group):
+        # ZeRO-1: the (replicated) gradient of a weight whose optimizer slots are split is sliced to their layout
+        # first, so that each device computes its part of the update (the assign gathers the new weight). Without
+        # the explicit boundary, DTensor's layout propagation pulls the slots' split back into the backward pass.
+        slot_layout = getattr(getattr(var, "_value", var), "_tfdist_slot_layout", None)
+        if slot_layout is not None and args and not tf.executing_eagerly():
+            grad = args[0]
+            if isinstance(grad, tf.IndexedSlices):
+                grad = tf.convert_to_tensor(grad)
+            if isinstance(grad, tf.Tensor):
+                args = (dtensor.relayout(grad, slot_layout),) + tuple(args[1:])
+        return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
 
     def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
         del colocate_with

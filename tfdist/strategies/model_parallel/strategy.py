@@ -100,8 +100,10 @@ class ModelParallelStrategy(distribute_lib.Strategy):
     than `timeout` ends the process, and peers that never come end it after
     `join_timeout`.
 
-    Limits: every batch (the last one too) must divide by the batch axis;
-    random ops (dropout) draw other numbers than on one device; each
+    A batch that the batch axis does not divide (a dataset's last batch) is
+    computed whole on every device: the same result, in a step traced for it.
+
+    Limits: random ops (dropout) draw other numbers than on one device; each
     variable's initial value is computed whole on the host, then split.
 
     Args:
@@ -174,6 +176,32 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         join_timeout: float | None = None,
         sharding: str = "auto",
     ):
+        self._start(
+            mesh={"batch": 2, "model": 4} if mesh is None else mesh,
+            rules=rules,
+            devices=devices,
+            batch_axis=batch_axis,
+            cluster=cluster,
+            timeout=timeout,
+            heartbeat_timeout=heartbeat_timeout,
+            join_timeout=join_timeout,
+            sharding=sharding,
+        )
+
+    @staticmethod
+    def _resolve_cluster(cluster):
+        """`cluster`, else the one `tfdist.cluster.resolve()` finds; None for one process."""
+        if cluster is None:
+            cluster = cluster_lib.resolve()
+        elif not isinstance(cluster, cluster_lib.Cluster):
+            raise _validate.invalid("cluster", cluster, "a tfdist.cluster.Cluster (see tfdist.cluster.resolve) or None")
+        return None if cluster is not None and cluster.num_workers == 1 else cluster
+
+    def _start(
+        self, *, mesh, rules, devices, batch_axis, cluster, timeout, heartbeat_timeout, join_timeout, sharding,
+        auto_shard=None,
+    ):
+        """Checks the arguments, joins the cluster, builds the mesh and the runtime (shared with subclasses)."""
         ensure_safe_dtensor_env()
         _validate.one_of("sharding", sharding, multi_worker.SHARDING_CHOICES)
         timeout = _validate.positive_number("timeout", timeout, allow_none=True, unit="seconds")
@@ -181,13 +209,8 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         if join_timeout is None:
             join_timeout = cluster_lib.join_timeout() or multi_worker.DEFAULT_JOIN_TIMEOUT
         join_timeout = _validate.positive_number("join_timeout", join_timeout, unit="seconds")
-        if cluster is None:
-            cluster = cluster_lib.resolve()
-        elif not isinstance(cluster, cluster_lib.Cluster):
-            raise _validate.invalid("cluster", cluster, "a tfdist.cluster.Cluster (see tfdist.cluster.resolve) or None")
-        if cluster is not None and cluster.num_workers == 1:
-            cluster = None
-        axes = mesh_lib.validate_axes({"batch": 2, "model": 4} if mesh is None else mesh)
+        cluster = self._resolve_cluster(cluster)
+        axes = mesh_lib.validate_axes(mesh)
         rules = LayoutRules(rules or ())
         rules.check_axes(axes)
         if batch_axis is not None:
@@ -225,7 +248,13 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             step_deadline.set_step_deadline(self._watchdog, every_function=True)
         super().__init__(
             ModelParallelExtended(
-                self, mesh=dmesh, rules=rules, batch_axis=batch_axis, cluster=cluster, sharding=sharding
+                self,
+                mesh=dmesh,
+                rules=rules,
+                batch_axis=batch_axis,
+                cluster=cluster,
+                sharding=sharding,
+                auto_shard=auto_shard,
             )
         )
 
@@ -307,12 +336,15 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             total = math.prod(shape) * itemsize
             split = math.prod(axes[a] for a in spec if a is not None)
             gathered = isinstance(backing, GatheredVariable)
-            rows.append(VariablePlacement(v.path, shape, backing.dtype.name, spec, total, total // split, gathered))
+            note = getattr(backing, "_tfdist_note", "")
+            rows.append(
+                VariablePlacement(v.path, shape, backing.dtype.name, spec, total, total // split, gathered, note)
+            )
         per_device = sum(r.bytes_per_device for r in rows)
         by_path = {r.path: r for r in rows}
         misplaced = []
         for w in model.weights:
-            expected = self.rules.spec_for(w.path, by_path[w.path].shape, axes)
+            expected = self.extended.plan(w.path, by_path[w.path].shape, trainable=w.trainable)[0]
             if expected != by_path[w.path].spec:
                 misplaced.append((w.path, expected, by_path[w.path].spec))
         report = PlacementReport(

@@ -75,8 +75,14 @@ class ShardedVariable(dtensor.DVariable):
         array = self.numpy()
         return array if dtype is None else array.astype(dtype)
 
+    # Set on variables whose updates may come in another layout (sharded data parallelism: a ZeRO-1 weight
+    # updated from split optimizer slots): a traced assign relayouts its value (a gather) to the variable's.
+    _tfdist_relayout_assign = False
+
     def _as_layout(self, value):
         if not tf.executing_eagerly():
+            if self._tfdist_relayout_assign and isinstance(value, tf.Tensor):
+                return dtensor.relayout(value, self.layout)
             return value
         if isinstance(value, tf.Variable):
             value = value.read_value()
@@ -98,17 +104,28 @@ class ShardedVariable(dtensor.DVariable):
 
 
 class GatheredVariable(ShardedVariable):
-    """A ShardedVariable stored split but read whole inside traced steps (FSDP-style).
+    """A ShardedVariable stored split but read in another layout inside traced steps (FSDP-style).
 
-    For ops that DTensor runs only on a replicated operand (a convolution's
-    filter): each read in a traced step all-gathers the shards; the gradient
-    flows back to the split layout, so optimizer slots and updates stay split.
+    Each read in a traced step all-gathers the shards into `compute_layout`
+    (default: whole on every device); the gradient flows back to the stored
+    layout, so optimizer slots and updates stay split. For ops that DTensor runs
+    only on a replicated operand (a convolution's filter), and for sharded data
+    parallelism (stored split over the data axis, used as the layout rules say).
+
+    Args:
+        initial_value: the value, already in the stored layout.
+        compute_layout: the layout reads take in a traced step; None: replicated.
+        **kwargs: as for `dtensor.DVariable`.
     """
+
+    def __init__(self, initial_value, *args, compute_layout=None, **kwargs):
+        super().__init__(initial_value, *args, **kwargs)
+        self.compute_layout = compute_layout or replicated(self.layout.mesh, self.layout.rank)
 
     def _read_variable_op(self, no_copy=False):
         value = super()._read_variable_op(no_copy)
-        if tf.executing_eagerly() or self.layout.is_fully_replicated():
+        if tf.executing_eagerly() or self.layout == self.compute_layout:
             return value
-        return dtensor.relayout(value, replicated(self.layout.mesh, self.layout.rank))
+        return dtensor.relayout(value, self.compute_layout)
 
 
