@@ -368,13 +368,15 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         # ZeRO-1: the (replicated) gradient of a weight whose optimizer slots are split is sliced to their layout
         # first, so that each device computes its part of the update (the assign gathers the new weight). Without
         # the explicit boundary, DTensor's layout propagation pulls the slots' split back into the backward pass.
-        slot_layout = getattr(getattr(var, "_value", var), "_tfdist_slot_layout", None)
+        backing = getattr(var, "_value", var)
+        slot_layout = getattr(backing, "_tfdist_slot_layout", None)
         if slot_layout is not None and args and not tf.executing_eagerly():
             grad = args[0]
-            if isinstance(grad, tf.IndexedSlices):
-                grad = tf.convert_to_tensor(grad)
-            if isinstance(grad, tf.Tensor):
-                args = (dtensor.relayout(grad, slot_layout),) + tuple(args[1:])
+            if isinstance(grad, tf.Tensor):  # an IndexedSlices gradient stays as Keras' optimizers expect it
+                # First in the weight's layout, as the backward pass computes it (a convolution's filter gradient
+                # can only be whole over the batch axis), then in the slots'.
+                grad = dtensor.relayout(dtensor.relayout(grad, backing.layout), slot_layout)
+                args = (grad,) + tuple(args[1:])
         return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
 
     def _update_non_slot(self, colocate_with, fn, args, kwargs, group):

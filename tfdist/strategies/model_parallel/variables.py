@@ -126,6 +126,21 @@ class GatheredVariable(ShardedVariable):
         value = super()._read_variable_op(no_copy)
         if tf.executing_eagerly() or self.layout == self.compute_layout:
             return value
-        return dtensor.relayout(value, self.compute_layout)
+        compute, stored = self.compute_layout, self.layout
+
+        @tf.custom_gradient
+        def gathered(stored_value):
+            def grad(upstream):
+                # The gradient takes the use's layout first (a convolution computes its filter's gradient whole
+                # over the batch axis and only so), then the stored one: a local slice of it.
+                if isinstance(upstream, tf.IndexedSlices):
+                    # An embedding lookup's rows stay rows: Keras' optimizers treat them otherwise than the dense
+                    # sum (Adam squares each row before summing repeated ones), as on one device.
+                    return upstream
+                return dtensor.relayout(dtensor.relayout(upstream, compute), stored)
+
+            return dtensor.relayout(stored_value, compute), grad
+
+        return gathered(value)
 
 
