@@ -2,7 +2,8 @@
 
     python _mp_worker.py OUT MODE key=value...
 
-MODE: "fit" (fit, evaluate, predict; save checkpoints with ckpt=DIR), "reference" (one process; mesh=none: one
+MODE: "fit" (fit, evaluate, predict; save checkpoints with ckpt=DIR; shard=weights|optimizer: under
+ShardedDataParallelStrategy), "reference" (one process; mesh=none: one
 device), "load" (load ckpt=DIR's checkpoints onto this process' mesh), "backup" (fit with
 tfdist.callbacks.BackupAndRestore in backup=DIR; kill_at=STEP makes worker 0 SIGKILL itself there), "conv" (a
 tutorial-shaped CNN with tfdist.layouts.conv()). The cluster comes from TF_CONFIG.
@@ -28,7 +29,17 @@ def parse_mesh(text):
 
 
 MESH = parse_mesh(OPTS.get("mesh", "batch:2,model:4"))
-if MESH is not None:
+if MESH is not None and OPTS.get("shard"):  # sharded data parallelism; the preset for a "model" axis if any
+    strategy = tfdist.ShardedDataParallelStrategy(
+        shard=OPTS["shard"],
+        mesh=MESH,
+        rules=tfdist.layouts.transformer() if "model" in MESH else None,
+        min_size=int(OPTS.get("min_size", 64)),
+        timeout=float(OPTS.get("timeout", 120)),
+        heartbeat_timeout=float(OPTS.get("heartbeat", 5)),
+        sharding="data",
+    )
+elif MESH is not None:
     strategy = tfdist.ModelParallelStrategy(
         mesh=MESH,
         rules=tfdist.layouts.conv() if MODE == "conv" else tfdist.layouts.transformer(),

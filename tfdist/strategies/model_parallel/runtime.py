@@ -107,7 +107,7 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         if auto is None:
             return spec, compute, None, note
         self._check_auto_rule(path, rule)
-        if not trainable:
+        if not trainable and len(shape):
             return spec, compute, None, f"replicated over {auto.axis!r}: not trainable (as FSDP leaves buffers)"
         split, note = auto.extend(spec, shape)
         if split != spec and auto.mode == "weights":
