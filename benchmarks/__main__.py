@@ -33,6 +33,7 @@ BENCHMARKS = {
     "multi_worker": ([], (180, 1200)),
     "model_parallel": (["--write"], (240, 2400)),
     "model_parallel_processes": ([], (300, 1500)),
+    "sharded_data_parallel": ([], (720, 1500)),
     "checkpoint": ([], (120, 900)),
     "pipeline": ([], (240, 1800)),
     "xla": ([], (300, 1200)),
