@@ -27,7 +27,8 @@ SMALL = "--corpus={text}"
 TRAIN = [
     # Flags, refused while parsing them.
     (["--strategy=bogus"], None,
-     r"flag --strategy=bogus: value should be one of <auto\|data\|multi_worker\|model_parallel\|pipeline>"),
+     r"flag --strategy=bogus: value should be one of "
+     r"<auto\|data\|multi_worker\|model_parallel\|pipeline\|sharded_data_parallel>"),
     (["--num_devices=100000"], None, r"flag --num_devices=100000: 100000 is not an integer in the range \[1, 64\]"),
     (["--num_devices=0"], None, r"flag --num_devices=0: 0 is not an integer in the range \[1, 64\]"),
     (["--seed=-1"], None, r"flag --seed=-1: -1 is not an integer in the range \[0, 4294967295\]"),

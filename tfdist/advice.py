@@ -12,7 +12,15 @@ model's *state* = its weights + optimizer slots):
    least `min_speedup`, else "one device" (communication or shared compute
    would eat the gain).
 2. They do not, but state + 1/N of the activations does: "data parallel", to fit.
-3. Otherwise the model must be split, by stages or within its layers:
+3. They do not either, but the state split over the N devices does:
+   "data parallel" with `ShardedDataParallelStrategy`, whose persistent bytes
+   per device are `Measurements.sharded_bytes`: `shard="optimizer"` (ZeRO-1:
+   the weights whole, the optimizer slots split; with Adam in float32 4 + 8/N
+   bytes per parameter instead of 12) when that + 1/N of the activations
+   fits, else `shard="weights"` (ZeRO-3 / FSDP: both split, 12/N). It is
+   chosen over splitting the model: no layout rules to write, and each device
+   computes as under data parallelism (the whole model on 1/N of the batch).
+4. Otherwise the model must be split, by stages or within its layers:
 
    - pipeline parallelism (`PipelineStrategy`) when the model is a deep
      stack: its top-level layers with weights split into k consecutive stages
@@ -29,7 +37,11 @@ model's *state* = its weights + optimizer slots):
      (a divisor of N) at which state / m + activations / (N / m) fits.
 
    Either is "model parallel" when one copy of the model spans all N devices,
-   "hybrid" when there are several copies trained data-parallel.
+   "hybrid" when there are several copies trained data-parallel. When
+   everything of the state splits over the data axis, rule 3 needs no more
+   memory than any of these (state / N + activations / N is the least); they
+   come into play for state that sharded data parallelism keeps whole
+   (`Measurements.unsharded_parameter_bytes`, `unsharded_optimizer_bytes`).
 
 Example:
 
@@ -51,12 +63,14 @@ import math
 from tfdist import _validate
 
 RECOMMENDATIONS = ("one device", "data parallel", "model parallel", "hybrid")
-STRATEGIES = ("DataParallelStrategy", "ModelParallelStrategy", "PipelineStrategy")
+STRATEGIES = ("DataParallelStrategy", "ShardedDataParallelStrategy", "ModelParallelStrategy", "PipelineStrategy")
 """The tfdist strategy a `Recommendation` names (None for one device)."""
 MEMORY_HEADROOM = 0.9  # plan to fill at most this share of a device's memory
 MIN_LAYERS_PER_STAGE = 2  # a pipeline stage of fewer layers leaves balance to single layers
 PIPELINE_BALANCE = 1.25  # the heaviest stage may hold this much more than an even share
 MAX_MICROBATCHES_PER_STAGE = 4  # micro-batches per stage planned: bubble (k-1)/(4k+k-1) < 20%
+SHARD_MODES = ("optimizer", "weights")
+"""The `shard` modes of `ShardedDataParallelStrategy` a `Recommendation` names, in the order they are tried."""
 
 
 def _nonnegative(name: str, value, *, integer: bool = False) -> None:
@@ -89,10 +103,17 @@ class Measurements:
         layer_bytes: weight bytes of each top-level layer that has weights, in the model's order
             (what a pipeline splits into stages); empty when not measured. Each layer's optimizer
             slots are taken to be in proportion to its weights.
+        unsharded_parameter_bytes: of `parameter_bytes`, what `ShardedDataParallelStrategy` over the
+            N devices keeps whole on each of them (non-trainable weights, and weights with fewer
+            than its `min_size` elements or with no dimension N divides); 0 (the default) when
+            everything splits.
+        unsharded_optimizer_bytes: of `optimizer_bytes`, the slots it keeps whole (those of such
+            weights); 0 by default.
 
     Raises:
-        ValueError: for no devices, a batch smaller than the devices, or a time or size that is
-            negative or not a number, naming the field.
+        ValueError: for no devices, a batch smaller than the devices, a time or size that is
+            negative or not a number, or unsharded bytes larger than the bytes they are part of,
+            naming the field.
     """
 
     devices: tuple
@@ -108,6 +129,8 @@ class Measurements:
     activation_bytes: int
     device_memory: int | None
     layer_bytes: tuple = dataclasses.field(default=(), kw_only=True)
+    unsharded_parameter_bytes: int = dataclasses.field(default=0, kw_only=True)
+    unsharded_optimizer_bytes: int = dataclasses.field(default=0, kw_only=True)
 
     def __post_init__(self):
         if isinstance(self.devices, str) or not self.devices:
@@ -119,8 +142,16 @@ class Measurements:
         object.__setattr__(self, "layer_bytes", tuple(self.layer_bytes))
         for name in ("step_time", "compute_time", "parallel_compute_time", "all_reduce_time", "overhead_time"):
             _nonnegative(name, getattr(self, name))
-        for name in ("batch_size", "gradient_bytes", "parameter_bytes", "optimizer_bytes", "activation_bytes"):
+        for name in ("batch_size", "gradient_bytes", "parameter_bytes", "optimizer_bytes", "activation_bytes",
+                     "unsharded_parameter_bytes", "unsharded_optimizer_bytes"):
             _nonnegative(name, getattr(self, name), integer=True)
+        for part in ("parameter_bytes", "optimizer_bytes"):
+            if getattr(self, f"unsharded_{part}") > getattr(self, part):
+                raise ValueError(
+                    f"Invalid value for `Measurements.unsharded_{part}`. Received: unsharded_{part}="
+                    f"{getattr(self, f'unsharded_{part}')!r}, more than {part}={getattr(self, part)!r}. Expected "
+                    f"at most {part}: the part of it that sharded data parallelism keeps whole."
+                )
         if self.device_memory is not None:
             _nonnegative("device_memory", self.device_memory, integer=True)
         for i, size in enumerate(self.layer_bytes):
@@ -146,6 +177,47 @@ class Measurements:
         """Parameters + optimizer slots + activations, all on one device."""
         return self.parameter_bytes + self.optimizer_bytes + self.activation_bytes
 
+    def sharded_bytes(self, shard: str) -> int:
+        """Persistent bytes per device (weights + optimizer slots) under `ShardedDataParallelStrategy(shard=shard)`.
+
+        Over the N devices: "optimizer" (ZeRO-1) keeps the weights whole and
+        1/N of the optimizer slots; "weights" (ZeRO-3) 1/N of both. What the
+        strategy keeps whole (`unsharded_parameter_bytes`,
+        `unsharded_optimizer_bytes`) counts in full. With Adam's two float32
+        moments per float32 weight, that is 4 + 8/N and 12/N bytes per
+        parameter (data parallelism: 12). Rounded up to a whole byte.
+
+        Args:
+            shard: "optimizer" or "weights".
+
+        Returns:
+            The bytes each device keeps between steps (activations, gradients
+            and gathered weights come and go within a step).
+
+        Raises:
+            ValueError: for a `shard` that is not one of `SHARD_MODES`.
+
+        Example:
+
+        >>> from tfdist.advice import Measurements
+        >>> params = 1_000_000  # float32, with Adam's two float32 moments each
+        >>> m = Measurements(
+        ...     devices=("GPU:0", "GPU:1", "GPU:2", "GPU:3"), batch_size=8, step_time=0.01, compute_time=0.008,
+        ...     parallel_compute_time=0.003, gradient_bytes=4 * params, all_reduce_time=0.001, overhead_time=0.0,
+        ...     parameter_bytes=4 * params, optimizer_bytes=8 * params, activation_bytes=0, device_memory=None)
+        >>> m.sharded_bytes("optimizer") / params, m.sharded_bytes("weights") / params  # 4 + 8/4, 12/4
+        (6.0, 3.0)
+        """
+        shard = _validate.one_of("shard", shard, SHARD_MODES, where=" of Measurements.sharded_bytes()")
+        n = len(self.devices)
+        kept = self.unsharded_parameter_bytes + self.unsharded_optimizer_bytes
+        split = self.optimizer_bytes - self.unsharded_optimizer_bytes
+        if shard == "weights":
+            split += self.parameter_bytes - self.unsharded_parameter_bytes
+        else:
+            kept += self.parameter_bytes - self.unsharded_parameter_bytes
+        return kept + -(-split // n)
+
 
 @dataclasses.dataclass(frozen=True)
 class Recommendation:
@@ -154,10 +226,14 @@ class Recommendation:
     Attributes:
         recommendation: one of `RECOMMENDATIONS`.
         strategy: the tfdist strategy to train with (one of `STRATEGIES`); None for one device.
-        mesh: how to lay out the devices: `{"batch": N}` for data parallel; `{"batch": b, "model": m}`
-            for `ModelParallelStrategy` (b = 1: model parallel; else hybrid); `{"batch": r, "stage": k}`
-            for `PipelineStrategy` (r replicas of k stages); None for one device.
+        mesh: how to lay out the devices: `{"batch": N}` for data parallel (`DataParallelStrategy` or
+            `ShardedDataParallelStrategy`); `{"batch": b, "model": m}` for `ModelParallelStrategy`
+            (b = 1: model parallel; else hybrid); `{"batch": r, "stage": k}` for `PipelineStrategy`
+            (r replicas of k stages); None for one device.
         microbatches: the micro-batches per step for `PipelineStrategy`, else None.
+        shard: the `shard` of `ShardedDataParallelStrategy` ("optimizer" or "weights"), else None.
+        bytes_per_device: for `ShardedDataParallelStrategy`, the predicted persistent bytes of weights
+            and optimizer slots on each device (`Measurements.sharded_bytes(shard)`), else None.
         predicted_step_time: data-parallel step over the N devices, predicted: (forward+backward of
             batch/N on N devices at once) + (all-reduce) + (optimizer update, measured on one device,
             for N copies at the measured concurrency) + (per-step overhead).
@@ -172,6 +248,8 @@ class Recommendation:
     predicted_step_time: float
     predicted_speedup: float
     reasons: tuple
+    shard: str | None = dataclasses.field(default=None, kw_only=True)
+    bytes_per_device: int | None = dataclasses.field(default=None, kw_only=True)
 
 
 def _ms(seconds: float) -> str:
@@ -246,6 +324,51 @@ def _pipeline_for_memory(m: Measurements, usable: float) -> _Pipeline | None:
     return None
 
 
+def _sharded_for_memory(m: Measurements, usable: float, reasons: list) -> str | None:
+    """The `shard` of `ShardedDataParallelStrategy` whose state + 1/N of the activations fits, or None.
+
+    Appends the sentences behind it to `reasons`: why, and the bytes per device; or, for None, that
+    not even ZeRO-3 fits.
+    """
+    n, state = len(m.devices), m.parameter_bytes + m.optimizer_bytes
+    share = m.activation_bytes / n
+    zero1, zero3 = m.sharded_bytes("optimizer"), m.sharded_bytes("weights")
+    kept = m.unsharded_parameter_bytes + m.unsharded_optimizer_bytes
+    whole = (
+        f"; {_size(kept)} of the state stays whole on every device (non-trainable, or fewer elements than "
+        f"min_size, or no dimension {n} divides)" if kept else ""
+    )
+    tail = f" + 1/{n} of the activations ({_size(share)})"
+    if zero3 + share > usable:
+        reasons.append(
+            f"sharded data parallelism does not fit: even ZeRO-3 (shard='weights') keeps {_size(zero3)} per "
+            f"device{tail} > {_size(usable)} usable{whole}"
+        )
+        return None
+    reasons.append(
+        f"weights and optimizer ({_size(state)}) do not fit one device next to 1/{n} of the activations "
+        f"({_size(state + share)} > {_size(usable)} usable): split them over the {n} devices"
+    )
+    if zero1 + share <= usable:
+        shard, held = "optimizer", (
+            f"ZeRO-1 (shard='optimizer'): the weights whole ({_size(m.parameter_bytes)}) and 1/{n} of the optimizer "
+            f"slots, {_size(zero1)} per device{tail} fits{whole}"
+        )
+    else:
+        shard, held = "weights", (
+            f"ZeRO-1 would keep {_size(zero1)} per device (the weights whole){tail}: too much; ZeRO-3 "
+            f"(shard='weights', FSDP): 1/{n} of the weights and of the optimizer slots, {_size(zero3)} per "
+            f"device{tail} fits{whole}"
+        )
+    reasons += [
+        held,
+        "sharded data parallelism rather than a model axis or pipeline stages: no layout rules to write, and "
+        f"the same math as data parallel (each device runs the whole model on 1/{n} of the batch)",
+        f"use tfdist.ShardedDataParallelStrategy(shard={shard!r})",
+    ]
+    return shard
+
+
 def predicted_step_time(m: Measurements) -> float:
     """The data-parallel step over the N devices: parallel compute + all-reduce + N updates + overhead."""
     n = len(m.devices)
@@ -291,7 +414,7 @@ def recommend(m: Measurements, *, min_speedup: float = 1.15) -> Recommendation:
     else:
         usable = MEMORY_HEADROOM * m.device_memory
 
-    def result(recommendation, strategy=None, mesh=None, microbatches=None):
+    def result(recommendation, strategy=None, mesh=None, microbatches=None, shard=None):
         return Recommendation(
             recommendation=recommendation,
             strategy=strategy,
@@ -300,6 +423,8 @@ def recommend(m: Measurements, *, min_speedup: float = 1.15) -> Recommendation:
             predicted_step_time=predicted,
             predicted_speedup=predicted_speedup,
             reasons=tuple(reasons),
+            shard=shard,
+            bytes_per_device=None if shard is None else m.sharded_bytes(shard),
         )
 
     if state + activations <= usable:
@@ -331,6 +456,10 @@ def recommend(m: Measurements, *, min_speedup: float = 1.15) -> Recommendation:
             f"1/{n} of it does: data parallel to fit (predicted speed-up {predicted_speedup:.2f}x)"
         )
         return result("data parallel", "DataParallelStrategy", {"batch": n})
+    if n > 1:
+        shard = _sharded_for_memory(m, usable, reasons)
+        if shard is not None:
+            return result("data parallel", "ShardedDataParallelStrategy", {"batch": n}, shard=shard)
 
     mesh = _mesh_for_memory(state, activations, n, usable)
     pipeline = _pipeline_for_memory(m, usable)
@@ -404,7 +533,8 @@ class Advice(Recommendation, Measurements):
             f"{memory} per device",
             f"Recommendation: {self.recommendation}"
             + (f" with tfdist.{self.strategy}" if self.strategy else "")
-            + (f", mesh {self.mesh}" if self.mesh else ""),
+            + (f", mesh {self.mesh}" if self.mesh else "")
+            + (f", shard={self.shard!r}: {_size(self.bytes_per_device)} per device" if self.shard else ""),
             *(f"  - {r}" for r in self.reasons),
         ]
         return "\n".join(lines)

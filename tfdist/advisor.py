@@ -12,9 +12,10 @@ side by side on the devices you have:
   `tfdist.strategies.collectives.all_reduce_gradients`),
 - the per-step cost of a data-parallel `fit` that does not grow with the model,
 
-and sizes the parameters, optimizer slots, forward activations and each top-level layer's
-weights. The recommendation is one of `RECOMMENDATIONS` with the tfdist strategy and mesh (or
-pipeline stages) to use.
+and sizes the parameters, optimizer slots, forward activations, each top-level layer's
+weights, and what sharded data parallelism over the N devices would keep whole. The
+recommendation is one of `RECOMMENDATIONS` with the tfdist strategy and mesh (or pipeline
+stages, or the `shard` of sharded data parallelism) to use.
 
 The `tfdist-advise` binary (`python -m tfdist.advisor`) does this for a reference model.
 """
@@ -66,6 +67,28 @@ def _device_memory(devices: list[str]) -> int | None:
 
     ram = devices_lib.host_memory()
     return None if ram is None else ram // max(1, len(tf.config.list_logical_devices("CPU")))
+
+
+def _unsharded_bytes(model, n: int) -> tuple[int, int]:
+    """Bytes of the weights and of the optimizer slots that `ShardedDataParallelStrategy` over `n` devices keeps whole.
+
+    As the strategy decides (`AutoShard` with its default `min_size`): a trainable weight splits on a
+    dimension `n` divides unless it has fewer than `min_size` elements; non-trainable weights stay
+    whole; an optimizer slot follows the weight whose shape it has, and other slots stay whole.
+    """
+    from tfdist.strategies.model_parallel.auto_shard import DEFAULT_MIN_SIZE
+    from tfdist.strategies.model_parallel.auto_shard import AutoShard
+
+    plan = AutoShard(mode="weights", axis="batch", size=n, min_size=DEFAULT_MIN_SIZE)
+
+    def splits(shape) -> bool:
+        whole = (None,) * len(shape)
+        return plan.extend(whole, shape)[0] != whole
+
+    split = {tuple(v.shape) for v in model.trainable_variables if splits(v.shape)}
+    weights = _bytes(v for v in model.weights if not (v.trainable and tuple(v.shape) in split))
+    slots = _bytes(v for v in model.optimizer.variables if len(v.shape) > 0 and tuple(v.shape) not in split)
+    return weights, slots
 
 
 def _check_batch(batch):
@@ -227,7 +250,12 @@ def advise(
     with its whole batch fits one device, "data parallel" if the predicted
     speed-up is at least `min_speedup`, else "one device" (communication or
     shared compute would eat the gain); when it does not fit one device,
-    "data parallel" if its share of the batch fits each device; else the
+    "data parallel" if its share of the batch fits each device; else "data
+    parallel" with `ShardedDataParallelStrategy` if its weights and optimizer
+    state split over the devices fit (`shard="optimizer"`, ZeRO-1, when
+    splitting the optimizer slots alone is enough, else `shard="weights"`,
+    ZeRO-3; `advice.bytes_per_device` is the predicted persistent bytes on
+    each device, counting in full what the strategy keeps whole); else the
     model is split: into pipeline stages (`PipelineStrategy`) when it is a
     deep stack of layers that balances into stages that fit, else over a
     model axis (`ModelParallelStrategy`, the smallest that fits), "model
@@ -317,6 +345,7 @@ def advise(
     activation_bytes = _activation_bytes(single, data[0])
 
     layer_bytes = tuple(_bytes(layer.weights) for layer in single.layers if layer.weights)
+    unsharded_parameter_bytes, unsharded_optimizer_bytes = _unsharded_bytes(single, n)
 
     all_reduce_time, overhead_time = 0.0, 0.0
     if n == 1:
@@ -366,6 +395,8 @@ def advise(
         activation_bytes=activation_bytes,
         device_memory=_device_memory(devices) if device_memory is None else device_memory,
         layer_bytes=layer_bytes,
+        unsharded_parameter_bytes=unsharded_parameter_bytes,
+        unsharded_optimizer_bytes=unsharded_optimizer_bytes,
     )
     return Advice.of(measurements, recommend(measurements, min_speedup=min_speedup))
 
@@ -439,8 +470,8 @@ def run(argv: list[str] | None = None) -> int:
     parser = _Parser(
         prog="tfdist-advise",
         description="Should I distribute? Measures a reference model on the devices at hand and recommends "
-        "one device, data parallel, model parallel or hybrid (over a mesh or in pipeline stages), with the "
-        "numbers behind it.",
+        "one device, data parallel (sharded when the model's state does not fit one device), model parallel "
+        "or hybrid (over a mesh or in pipeline stages), with the numbers behind it.",
     )
     positive = _integer(1)
     parser.add_argument("--model", choices=("mlp", "lm"), default="mlp", help="mlp: Dense layers; lm: transformer_lm")

@@ -37,8 +37,14 @@ if TYPE_CHECKING:
 
 FLAGS = flags.FLAGS
 
-STRATEGIES = ("auto", "data", "multi_worker", "model_parallel", "pipeline")
+STRATEGIES = ("auto", "data", "multi_worker", "model_parallel", "pipeline", "sharded_data_parallel")
 """Valid values of --strategy."""
+
+SHARDS = ("weights", "optimizer")
+"""Valid values of --shard: the `shard` modes of `tfdist.ShardedDataParallelStrategy`."""
+
+DEFAULT_SHARD = "weights"
+"""The --shard of --strategy=sharded_data_parallel without --shard (ZeRO-3 / FSDP)."""
 
 RULES = ("transformer", "conv", "data_parallel", "none")
 """Valid values of --rules: the presets of `tfdist.layouts`, and "none" (every weight replicated)."""
@@ -58,7 +64,14 @@ DEFAULT_MICROBATCHES = 4
 _MESH_EXAMPLE = "--mesh=batch:2,model:4"
 
 # Flags that only one strategy reads: given with another --strategy, they are an error.
-_STRATEGY_FLAGS = {"model_parallel": ("mesh", "rules"), "pipeline": ("stages", "microbatches")}
+_STRATEGY_FLAGS = {
+    "model_parallel": ("mesh", "rules"),
+    "pipeline": ("stages", "microbatches"),
+    "sharded_data_parallel": ("shard",),
+}
+
+# Strategies whose one device mesh spans every process of a cluster (each process simulates its share on CPUs).
+_MESH_STRATEGIES = ("model_parallel", "sharded_data_parallel")
 
 MAX_SEED = 2**32 - 1
 """The largest --seed (what `keras.utils.set_random_seed` and NumPy accept)."""
@@ -229,8 +242,11 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
         "over the local devices (tfdist.DataParallelStrategy); multi_worker: synchronous data parallelism "
         "over the cluster's processes (tfdist.MultiWorkerStrategy); model_parallel: the weights split over a "
         "device mesh by layout rules (tfdist.ModelParallelStrategy, --mesh, --rules); pipeline: consecutive "
-        "layers on --stages devices, each batch in --microbatches micro-batches (tfdist.PipelineStrategy). "
-        "auto never picks model_parallel or pipeline: name them.",
+        "layers on --stages devices, each batch in --microbatches micro-batches (tfdist.PipelineStrategy); "
+        "sharded_data_parallel: data parallelism with the weights and optimizer state split over the devices "
+        "(tfdist.ShardedDataParallelStrategy, --shard), over the local devices or, in a cluster, over every "
+        "process's. auto never picks model_parallel, pipeline or sharded_data_parallel: name them "
+        "(tfdist-advise says when the model's state needs sharding).",
         flag_values,
         enum_values=list(STRATEGIES),
     )
@@ -268,6 +284,16 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
         "conv: convolution output channels; data_parallel or none: every weight replicated.",
         flag_values,
         enum_values=list(RULES),
+    )
+    _define(
+        "enum",
+        "shard",
+        None,
+        f"--strategy=sharded_data_parallel only: what is split over the devices (default {DEFAULT_SHARD}). "
+        "weights: weights and optimizer state (ZeRO-3 / FSDP; each weight is gathered for its use); optimizer: "
+        "the optimizer state only, the weights stay whole on every device (ZeRO-1).",
+        flag_values,
+        enum_values=list(SHARDS),
     )
     _define(
         "integer",
@@ -398,8 +424,9 @@ def resolve_strategy(flag_values: flags.FlagValues = FLAGS) -> tuple[str, str]:
     """The strategy --strategy stands for, and why, in words for a log line.
 
     "auto" becomes "multi_worker" when TF_CONFIG or Slurm describe a cluster
-    of more than one worker, else "data"; it never becomes "model_parallel"
-    or "pipeline" (they change how the model is split, so they are named).
+    of more than one worker, else "data"; it never becomes "model_parallel",
+    "pipeline" or "sharded_data_parallel" (they change how the model is split
+    or stored, so they are named; `tfdist-advise` says when a model needs one).
 
     Args:
         flag_values: parsed flags from `define_flags`.
@@ -430,8 +457,8 @@ def resolve_strategy(flag_values: flags.FlagValues = FLAGS) -> tuple[str, str]:
         )
     where = "a one-worker cluster" if cluster is not None else "no cluster (no TF_CONFIG or Slurm job)"
     return "data", (
-        f"{where}, so data parallelism over this process's devices; model_parallel and pipeline run only "
-        "when --strategy names them"
+        f"{where}, so data parallelism over this process's devices; model_parallel, pipeline and "
+        "sharded_data_parallel run only when --strategy names them"
     )
 
 
@@ -493,16 +520,20 @@ def configure_devices_from_flags(flag_values: flags.FlagValues = FLAGS) -> list[
     needs (the product of the --mesh sizes for model_parallel, --stages for
     pipeline). With GPUs nothing changes and all GPUs are used. Multi-worker
     training leaves the devices alone (each worker process is one replica on
-    CPU, or uses its GPUs). Call it before anything starts TensorFlow's
-    runtime (any tensor, model or strategy).
+    CPU, or uses its GPUs). In a cluster, model_parallel and
+    sharded_data_parallel build one mesh over every process: on CPUs each
+    process simulates its share (--num_devices for sharded_data_parallel).
+    Call it before anything starts TensorFlow's runtime (any tensor, model or
+    strategy).
 
     Args:
         flag_values: parsed flags from `define_flags`.
 
     Returns:
         The names of this process's devices (all GPUs, else the logical
-        CPUs); empty for multi-worker training and for model_parallel in a
-        cluster (the strategy picks them when it is built).
+        CPUs); empty for multi-worker training and for model_parallel and
+        sharded_data_parallel in a cluster (the strategy picks them when it is
+        built).
 
     Raises:
         RuntimeError: if TensorFlow's runtime already started with another
@@ -523,14 +554,15 @@ def configure_devices_from_flags(flag_values: flags.FlagValues = FLAGS) -> list[
         return []  # MultiWorkerStrategy must be built before TensorFlow's runtime starts.
     import tensorflow as tf
 
-    cluster = cluster_lib.resolve() if name == "model_parallel" else None
+    cluster = cluster_lib.resolve() if name in _MESH_STRATEGIES else None
     if _is_multi_worker(cluster):
         # One mesh over every process: each gives total / workers devices. Listing them would start
         # TensorFlow's runtime, which must wait for ModelParallelStrategy to join the other processes.
         if not tf.config.list_physical_devices("GPU"):
             count = flag_values.num_devices
-            if not flag_values["num_devices"].present:
-                total, asked_by = _devices_needed(flag_values, name)
+            needed = _devices_needed(flag_values, name)
+            if needed is not None and not flag_values["num_devices"].present:
+                total, asked_by = needed
                 if total % cluster.num_workers:
                     raise ValueError(
                         f"{asked_by} needs {total} devices, which do not split evenly over the "
@@ -600,13 +632,17 @@ def strategy_from_flags(
         over the cluster that TF_CONFIG or Slurm describes; for
         "model_parallel" a `tfdist.ModelParallelStrategy` with --mesh and the
         --rules preset of `tfdist.layouts`; for "pipeline" a
-        `tfdist.PipelineStrategy` with --stages and --microbatches.
+        `tfdist.PipelineStrategy` with --stages and --microbatches; for
+        "sharded_data_parallel" a `tfdist.ShardedDataParallelStrategy` with
+        --shard over all GPUs, else all logical CPUs (in a cluster, those of
+        every process).
 
     Raises:
         ValueError: if --strategy is not one of `STRATEGIES`; for
             model_parallel, a --mesh whose size is not the number of devices
             or that the --rules do not fit; for pipeline, more --stages than
-            devices. Each message names the flag.
+            devices; for sharded_data_parallel, a --global_batch_size that
+            the devices do not divide. Each message names the flag.
         tfdist.cluster.ClusterError: for an invalid cluster description.
 
     Example:
@@ -647,4 +683,21 @@ def strategy_from_flags(
         return PipelineStrategy(
             stages=flag_values.stages or DEFAULT_STAGES, microbatches=flag_values.microbatches or DEFAULT_MICROBATCHES
         )
+    if name == "sharded_data_parallel":
+        import tensorflow as tf
+
+        from tfdist.strategies.sharded_data_parallel import ShardedDataParallelStrategy
+
+        # In a cluster (TF_CONFIG, Slurm) the batch axis spans every process's devices; the strategy finds the cluster.
+        strategy = ShardedDataParallelStrategy(shard=flag_values.shard or DEFAULT_SHARD, sharding=data_sharding)
+        size, batch = strategy.mesh_shape[strategy.batch_axis], flag_values.global_batch_size
+        if batch % size:
+            raise ValueError(
+                f"--global_batch_size={batch} must be a multiple of the {size} devices that "
+                f"--strategy=sharded_data_parallel splits each batch over. Expected a multiple of {size}, e.g. "
+                f"--global_batch_size={max(size, batch - batch % size)}"
+                + ("" if tf.config.list_physical_devices("GPU") else ", or another --num_devices")
+                + "."
+            )
+        return strategy
     raise ValueError(f"Invalid value for flag --strategy. Received: --strategy={name!r}. Expected one of {STRATEGIES}.")

@@ -3,12 +3,12 @@
 Trains `tfdist.models.transformer_lm` on a byte corpus (by default the Python
 standard library's source) under any tfdist strategy (--strategy: data,
 multi_worker, model_parallel with --mesh and --rules, pipeline with --stages and
---microbatches; auto says what it chose and why), saves an atomic checkpoint per epoch
-(`tfdist.callbacks.Checkpoint`), the final model as `model.keras` and
-TensorBoard logs under --model_dir, and prints a summary: devices, tokens/s,
-the speed against one device (measured after training, --measure_speedup) and
-what would make the strategy pay, train loss, and held-out loss and
-perplexity before and after training.
+--microbatches, sharded_data_parallel with --shard; auto says what it chose and
+why), saves an atomic checkpoint per epoch (`tfdist.callbacks.Checkpoint`), the
+final model as `model.keras` and TensorBoard logs under --model_dir, and prints
+a summary: devices, tokens/s, the speed against one device (measured after
+training, --measure_speedup) and what would make the strategy pay, train loss,
+and held-out loss and perplexity before and after training.
 
 Examples:
 
@@ -16,6 +16,7 @@ Examples:
     tfdist-train --num_devices=2 --steps=50 --model_dir=/tmp/lm
     tfdist-train --strategy=model_parallel --mesh=batch:2,model:4   # 8 simulated devices
     tfdist-train --strategy=pipeline --stages=2 --microbatches=4    # 2 simulated devices
+    tfdist-train --strategy=sharded_data_parallel --shard=optimizer # 4 simulated devices
     python -m tfdist.train --flagfile=lm.flags
 """
 
@@ -88,13 +89,16 @@ def _check_host_memory(strategy) -> None:
 
     Counts only what training surely holds: per copy of the model on this host (a data-parallel
     replica; a model-parallel group along the mesh's batch axis, whose rules split the weights over
-    the other axes) the float32 weights, gradients and AdamW's two moments, and the attention
-    probabilities of this process's share of the batch kept for the backward pass. The sizes come
-    from flags, so the error names them.
+    the other axes) the float32 weights, gradients and AdamW's two moments (under sharded data
+    parallelism, this host's share of what it splits over the devices of all processes: the moments,
+    and with --shard=weights the weights and gradients too), and the attention probabilities of this
+    process's share of the batch kept for the backward pass. The sizes come from flags, so the error
+    names them.
     """
     from tfdist import devices as devices_lib
     from tfdist import models
     from tfdist.strategies import topology as topology_lib
+    from tfdist.strategies.sharded_data_parallel import ShardedDataParallelStrategy
 
     memory = devices_lib.host_memory()
     if memory is None:
@@ -105,13 +109,19 @@ def _check_host_memory(strategy) -> None:
     topology = topology_lib.of(strategy)
     copies = max(1, topology.data_parallel_size // topology.num_workers)
     local_batch = math.ceil(FLAGS.global_batch_size / topology.num_workers)
-    need = 4 * (4 * parameters * copies + local_batch * FLAGS.num_heads * FLAGS.seq_len**2 * FLAGS.num_layers)
+    held = f"{copies} cop{'y' if copies == 1 else 'ies'} on this host"
+    state = 4 * parameters * copies  # float32 values: weights, gradients, two moments
+    if isinstance(strategy, ShardedDataParallelStrategy):
+        split = 4 if strategy.shard == "weights" else 2  # of those 4 values per parameter, split over all devices
+        state = (4 - split) * parameters * copies + math.ceil(split * parameters / topology.num_workers)
+        held = f"--shard={strategy.shard} over {topology.data_parallel_size} devices"
+    need = 4 * (state + local_batch * FLAGS.num_heads * FLAGS.seq_len**2 * FLAGS.num_layers)
     if need > memory:
         _fail(
             f"--d_model={FLAGS.d_model}, --num_layers={FLAGS.num_layers}, --seq_len={FLAGS.seq_len}, "
             f"--num_heads={FLAGS.num_heads}, --global_batch_size={FLAGS.global_batch_size}: training needs at least "
             f"{need / 2**30:,.1f} GiB ({parameters:,} parameters with gradients and optimizer state, "
-            f"{copies} cop{'y' if copies == 1 else 'ies'} on this host, and the attention of the batch), "
+            f"{held}, and the attention of the batch), "
             "more than this machine's "
             f"{memory / 2**30:,.1f} GiB. Expected sizes that fit: lower them."
         )
@@ -167,17 +177,19 @@ def _layout(strategy, batch: int) -> tuple[str, str, list[tuple[str, str]]]:
     from tfdist import flags as tfdist_flags
     from tfdist.strategies.model_parallel import ModelParallelStrategy
     from tfdist.strategies.pipeline import PipelineStrategy
+    from tfdist.strategies.sharded_data_parallel import ShardedDataParallelStrategy
 
     replicas = strategy.num_replicas_in_sync
     if isinstance(strategy, ModelParallelStrategy):
         axis = strategy.batch_axis
         split = f"split {strategy.mesh_shape[axis]} ways over mesh axis {axis!r}" if axis else "whole on every device"
-        return (
-            f"mesh {tfdist_flags.format_mesh(strategy.mesh_shape)}, rules {FLAGS.rules or tfdist_flags.DEFAULT_RULES}, "
-            f"{replicas} replica (one global program)",
-            f"global batch {batch} {split}",
-            [],
-        )
+        mesh = f"mesh {tfdist_flags.format_mesh(strategy.mesh_shape)}"
+        if isinstance(strategy, ShardedDataParallelStrategy):
+            what = "weights and optimizer state (ZeRO-3)" if strategy.shard == "weights" else "optimizer state (ZeRO-1)"
+            how = f"shard {strategy.shard}: {what} split over mesh axis {axis!r}, {mesh}"
+        else:
+            how = f"{mesh}, rules {FLAGS.rules or tfdist_flags.DEFAULT_RULES}"
+        return f"{how}, {replicas} replica (one global program)", f"global batch {batch} {split}", []
     if isinstance(strategy, PipelineStrategy):
         micro = batch // (strategy.microbatches * strategy.replicas)
         plan = strategy.plan
@@ -207,6 +219,7 @@ def _speed_rows(model, build, train_ds, strategy, devices: list[str], multi_work
     from tfdist.strategies.data_parallel import DataParallelStrategy
     from tfdist.strategies.model_parallel import ModelParallelStrategy
     from tfdist.strategies.pipeline import PipelineStrategy
+    from tfdist.strategies.sharded_data_parallel import ShardedDataParallelStrategy
 
     label = "speed vs one device"
     n = len(devices)
@@ -230,7 +243,19 @@ def _speed_rows(model, build, train_ds, strategy, devices: list[str], multi_work
         f"{_SPEED_STEPS} steps; {seconds:.1f} s, --nomeasure_speedup skips it)"
     )
     shared = "" if gpus else "these devices share the CPU, and "
-    if isinstance(strategy, ModelParallelStrategy):
+    if isinstance(strategy, ShardedDataParallelStrategy):
+        kind = "sharded data parallelism"
+        moves = (
+            "all-gathers each weight for its use and reduce-scatters its gradient"
+            if strategy.shard == "weights"
+            else "all-gathers each weight after its update"
+        )
+        why_not = (
+            f"{shared}each step {moves} between the devices; it is for a model whose weights and optimizer state "
+            "do not fit one device, and pays with one accelerator per device and a batch whose compute per step "
+            "outweighs those collectives"
+        )
+    elif isinstance(strategy, ModelParallelStrategy):
         kind = "model parallelism"
         why_not = (
             f"{shared}each step adds DTensor's collectives between the mesh's devices; it pays with one accelerator "
