@@ -187,9 +187,9 @@ def test_two_processes_train_as_one_device(procs, tmp_path, mode, mesh, fraction
     each process. ZeRO-1 on {"batch": 2, "model": 4}: the transformer preset splits kernels over "model"
     (a quarter per device), the sharding splits their optimizer slots over "batch" too.
     """
+    import _procs
     import numpy as np
 
-    import _procs
     from tfdist import cluster as cluster_lib
 
     worker = os.path.join(REPO, "tests", "_mp_worker.py")
