@@ -344,7 +344,9 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         by_path = {r.path: r for r in rows}
         misplaced = []
         for w in model.weights:
-            expected = self.extended.plan(w.path, by_path[w.path].shape, trainable=w.trainable)[0]
+            # Placed as trainable or not when created (a layer frozen later keeps its variables where they are).
+            created_trainable = getattr(getattr(w, "value", w), "trainable", w.trainable)
+            expected = self.extended.plan(w.path, by_path[w.path].shape, trainable=created_trainable)[0]
             if expected != by_path[w.path].spec:
                 misplaced.append((w.path, expected, by_path[w.path].spec))
         report = PlacementReport(
