@@ -2,13 +2,15 @@
 
 Usage: python tests/_sdp_child.py DEVICES OUT_DIR [CHECKPOINT_DIR]
 
-Simulates DEVICES CPUs, then for each model (MLP, CNN with BatchNorm, tfdist.models.transformer_lm, a
-subclassed model) and each shard mode trains once on one device (no strategy) and once sharded, from the
-same seed on the same 102 examples in batches of 16 (the last batch, 6 examples, splits over neither 4 nor
-8 devices), and measures the persistent bytes per device of transformer_lm(d_model=256). With 8 devices it
-also trains on a 2-D mesh, saves checkpoints to OUT_DIR/ckpt and resumes an interrupted run with
-BackupAndRestore; with 4 and CHECKPOINT_DIR it loads those checkpoints onto 4 devices and one device, and
-trains under mixed_bfloat16. Numbers go to OUT_DIR/result.json for tests/test_sharded_data_parallel.py.
+Simulates DEVICES CPUs. Without CHECKPOINT_DIR: for each model (MLP under SGD with momentum and clipnorm,
+CNN with BatchNorm under Adam with global_clipnorm and gradient_accumulation_steps, transformer_lm, a
+subclassed model with an embedding under plain SGD) and each shard mode, trains once on one device (no
+strategy) and once sharded, from the same seed on the same 102 examples in batches of 16 (the last batch,
+6 examples, splits over neither 4 nor 8 devices), and measures the persistent bytes per device of
+transformer_lm(d_model=256); with 8 devices it also trains on a 2-D mesh, saves checkpoints to
+OUT_DIR/ckpt and resumes an interrupted run with BackupAndRestore, with 4 it trains under mixed_bfloat16.
+With CHECKPOINT_DIR: loads those checkpoints onto DEVICES devices and onto one device. Numbers go to
+OUT_DIR/result.json for tests/test_sharded_data_parallel.py.
 """
 
 import json
@@ -37,11 +39,11 @@ TRAINED = {}  # (kind, mode) -> the sharded model train_all trained, reused by t
 
 
 def sgd():
-    return keras.optimizers.SGD(0.05, momentum=0.9)
+    return keras.optimizers.SGD(0.05, momentum=0.9, clipnorm=0.5)
 
 
-def adam():
-    return keras.optimizers.Adam(1e-2)
+def adam(**kw):
+    return keras.optimizers.Adam(1e-2, **kw)
 
 
 def mlp():
@@ -66,7 +68,9 @@ def cnn():
     x = keras.layers.Conv2D(16, 3, activation="relu", name="conv_2")(x)
     x = keras.layers.GlobalAveragePooling2D()(x)
     model = keras.Model(inputs, keras.layers.Dense(10, name="classes")(x), name="cnn")
-    model.compile(optimizer=adam(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    # Clipping by the global norm and accumulation over 2 steps act on the whole gradient, as on one device.
+    optimizer = adam(global_clipnorm=1.0, gradient_accumulation_steps=2)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
 
@@ -290,15 +294,17 @@ def mixed_bfloat16():
         keras.mixed_precision.set_global_policy("float32")
 
 
-train_all()
-bytes_per_device()
-if DEVICES == 8:
-    two_d_mesh()
-    save_checkpoints()
-    backup_and_restore()
 if CHECKPOINT:
     load_checkpoints()
-    mixed_bfloat16()
+else:
+    train_all()
+    bytes_per_device()
+    if DEVICES == 8:
+        two_d_mesh()
+        save_checkpoints()
+        backup_and_restore()
+    else:
+        mixed_bfloat16()
 with open(os.path.join(OUT, "result.json"), "w") as f:
     json.dump(RESULT, f, indent=1)
 print("done", flush=True)

@@ -133,9 +133,11 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
                 # An optimizer slot follows its variable (ZeRO-1: split as planned for the variable's slots). A
                 # gradient accumulator stays in its variable's layout: Keras adds it to the (whole) gradient.
                 layout = colocate_with.layout
+                note = getattr(colocate_with, "_tfdist_note", "")
                 if not str(kwargs.get("name") or "").endswith(ACCUMULATOR_SUFFIX):
                     layout = getattr(colocate_with, "_tfdist_slot_layout", None) or layout
-                    note = getattr(colocate_with, "_tfdist_note", "")
+                elif getattr(colocate_with, "_tfdist_slot_layout", None) is not None:
+                    note = f"replicated over {self.auto_shard.axis!r}: a gradient accumulator, laid out as its weight"
             elif colocate_with is not None:
                 layout = replicated(self.mesh, len(shape))
             else:
