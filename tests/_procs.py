@@ -52,11 +52,11 @@ def run_python(code: str, *, timeout: float = 300, env: dict | None = None) -> s
 
 
 class Procs:
-    """Started processes (each in its own session), their logs, and their exit times."""
+    """Started processes (each in its own session), their logs, and their start (monotonic) and exit times."""
 
     def __init__(self, tmp_path):
         self.tmp_path = tmp_path
-        self.procs, self.logs, self.ended = [], [], []
+        self.procs, self.logs, self.started, self.ended = [], [], [], []
 
     def start(self, cmd, env) -> int:
         i = len(self.procs)
@@ -66,6 +66,7 @@ class Procs:
                 subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
             )
         self.logs.append(log)
+        self.started.append(time.monotonic())
         self.ended.append(None)
         return i
 
@@ -90,12 +91,17 @@ class Procs:
     def log(self, i) -> str:
         return self.logs[i].read_text(errors="replace")
 
+    def kill(self, i):
+        """SIGKILLs process `i`'s session if it is still running, and reaps it."""
+        p = self.procs[i]
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
     def kill_all(self):
-        for p in self.procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        for i in range(len(self.procs)):
+            self.kill(i)
 
 
 def workers(n):
