@@ -35,9 +35,12 @@ def _start(procs, addresses, out, mode, **opts):
     return indices
 
 
+def _single_cmd(out, mode, **opts):
+    return [sys.executable, WORKER, str(out), mode, *(f"{k}={v}" for k, v in opts.items())]
+
+
 def _single(out, mode, *, timeout=300, **opts):
-    args = [f"{k}={v}" for k, v in opts.items()]
-    result = _procs.run([sys.executable, WORKER, str(out), mode, *args], timeout=timeout)
+    result = _procs.run(_single_cmd(out, mode, **opts), timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return dict(np.load(out))
 
@@ -47,21 +50,40 @@ def _weights(result, prefix="w"):
     return [result[k] for k in sorted(keys, key=lambda k: int(k[len(prefix) :]))]
 
 
+REFERENCES = {"one": {"mesh": "none", "local": 1}, "single8": {"mesh": HYBRID, "local": 8}}
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """The same training in one process: on one device, and on 8 devices with the hybrid mesh."""
+def reference_procs(tmp_path_factory):
+    """Starts the same training in one process: on one device, and on 8 devices with the hybrid mesh.
+
+    Each in its own process (their devices differ); they train while the first 2-process run does.
+    """
     tmp = tmp_path_factory.mktemp("references")
-    return {
-        "one": _single(tmp / "one.npz", "reference", mesh="none", local=1),
-        "single8": _single(tmp / "single8.npz", "reference", mesh=HYBRID, local=8),
-    }
+    procs = _procs.Procs(tmp)
+    try:
+        for name, opts in REFERENCES.items():
+            procs.start(_single_cmd(tmp / f"{name}.npz", "reference", **opts), _procs.clean_env())
+        yield tmp, procs
+    finally:
+        procs.kill_all()
 
 
 @pytest.fixture(scope="module")
-def hybrid_run(tmp_path_factory):
+def references(reference_procs):
+    """The reference runs' results, by name (see `reference_procs`)."""
+    tmp, procs = reference_procs
+    codes = procs.wait(timeout=300)
+    assert codes == [0] * len(REFERENCES), [procs.log(i)[-3000:] for i in range(len(REFERENCES))]
+    return {name: dict(np.load(tmp / f"{name}.npz")) for name in REFERENCES}
+
+
+@pytest.fixture(scope="module")
+def hybrid_run(tmp_path_factory, reference_procs):
     """2 processes x 4 devices, {"batch": 2, "model": 4}, checkpoints written to a shared directory.
 
     Input: a tf.data pipeline per process that yields only its rows of each global batch (sharding="off").
+    Started after the reference runs (`reference_procs`), which train meanwhile.
     """
     tmp = tmp_path_factory.mktemp("hybrid")
     procs = _procs.Procs(tmp)
@@ -137,8 +159,8 @@ def test_conv_rules_across_processes_match_one_device(procs, tmp_path):
     Input: the same tf.data pipeline of global batches on each process; each keeps its rows (DATA sharding,
     with the DataShardingWarning of sharding="auto").
     """
-    one = _single(tmp_path / "one.npz", "conv", mesh="none", local=1)
     _start(procs, _procs.workers(2), tmp_path / "w", "conv", mesh=HYBRID, tfdata="global")
+    one = _single(tmp_path / "one.npz", "conv", mesh="none", local=1)  # while the 2 processes train
     assert procs.wait(timeout=300) == [0, 0], [procs.log(i)[-3000:] for i in range(2)]
     assert all("DataShardingWarning" in procs.log(i) for i in range(2))
     for i in range(2):
