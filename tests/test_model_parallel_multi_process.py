@@ -79,11 +79,23 @@ def references(reference_procs):
 
 
 @pytest.fixture(scope="module")
-def hybrid_run(tmp_path_factory, reference_procs):
+def load_procs(tmp_path_factory):
+    """Where `hybrid_run` starts the process that loads its checkpoints (`loaded`), killed by PID at teardown."""
+    procs = _procs.Procs(tmp_path_factory.mktemp("load"))
+    yield procs
+    procs.kill_all()
+
+
+ONTO = f"{HYBRID};batch:4,model:2;none"
+
+
+@pytest.fixture(scope="module")
+def hybrid_run(tmp_path_factory, reference_procs, load_procs):
     """2 processes x 4 devices, {"batch": 2, "model": 4}, checkpoints written to a shared directory.
 
     Input: a tf.data pipeline per process that yields only its rows of each global batch (sharding="off").
-    Started after the reference runs (`reference_procs`), which train meanwhile.
+    Started after the reference runs (`reference_procs`), which train meanwhile. Once it ends, one process
+    (8 devices) starts loading its checkpoints onto the meshes `ONTO` while the next tests run (`loaded`).
     """
     tmp = tmp_path_factory.mktemp("hybrid")
     procs = _procs.Procs(tmp)
@@ -93,9 +105,18 @@ def hybrid_run(tmp_path_factory, reference_procs):
         codes = procs.wait(timeout=300)
         assert codes == [0, 0], [procs.log(i)[-3000:] for i in range(2)]
         assert not any("DataShardingWarning" in procs.log(i) for i in range(2))
+        load = _single_cmd(load_procs.tmp_path / "load.npz", "load", mesh="none", local=8, ckpt=tmp / "ckpt", onto=ONTO)
+        load_procs.start(load, _procs.clean_env())
         return tmp, [dict(np.load(tmp / f"w{i}.npz")) for i in range(2)]
     finally:
         procs.kill_all()
+
+
+@pytest.fixture(scope="module")
+def loaded(hybrid_run, load_procs):
+    """What the process that `hybrid_run` started found in the checkpoints, loaded onto each mesh of `ONTO`."""
+    assert load_procs.wait(timeout=300) == [0], load_procs.log(0)[-3000:]
+    return dict(np.load(load_procs.tmp_path / "load.npz"))
 
 
 def _check_matches(results, references, fraction):
@@ -132,17 +153,15 @@ def test_model_split_across_processes_matches(procs, tmp_path, references):
     _check_matches([dict(np.load(tmp_path / f"w{i}.npz")) for i in range(2)], references, 0.125)
 
 
-def test_checkpoint_of_two_processes_loads_on_other_meshes_and_one_device(hybrid_run, tmp_path):
+def test_checkpoint_of_two_processes_loads_on_other_meshes_and_one_device(hybrid_run, loaded):
     """.keras, .weights.h5, tf.train.Checkpoint, Keras' ModelCheckpoint, tfdist's Checkpoint of the 2-process run.
 
     Every process gathers the shards; one writes each shared file (worker 0's paths; Keras' callback elects
     the writer of its shared directory).
     """
-    tmp, results = hybrid_run
+    _, results = hybrid_run
     saved = _weights(results[0])
-    onto = f"{HYBRID};batch:4,model:2;none"
-    loaded = _single(tmp_path / "load.npz", "load", mesh="none", local=8, ckpt=tmp / "ckpt", onto=onto)
-    for name in onto.split(";"):
+    for name in ONTO.split(";"):
         for kind in ("keras", "h5", "tf", "callback", "tfdist"):
             got = [loaded[f"{name}/{kind}{i}"] for i in range(len(saved))]
             for a, b in zip(saved, got):
