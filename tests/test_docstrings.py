@@ -17,7 +17,6 @@ import json
 import pathlib
 import re
 import sys
-import time
 
 import _procs
 import pytest
@@ -73,42 +72,25 @@ def _processes(names) -> list[list[str]]:
     return alone + [group for group in (shared[i::GROUPS] for i in range(GROUPS)) if group]
 
 
-def _run_processes(tmp_path, processes) -> dict[str, tuple[dict | None, int | None, str]]:
-    """Runs the child processes, `PARALLEL` at a time, each killed `TIMEOUT_S` after it started.
-
-    Returns module name -> (its result or None, its process's exit status or None if killed, its process's log).
-    """
-    procs = _procs.Procs(tmp_path)
-    todo, running, outcome = list(processes), {}, {}
-    try:
-        while todo or running:
-            while todo and len(running) < PARALLEL:
-                names = todo.pop(0)
-                running[procs.start([sys.executable, "-c", CHILD, *names], _procs.clean_env())] = names
-            time.sleep(0.1)
-            for i, names in list(running.items()):
-                code = procs.procs[i].poll()
-                if code is None and time.monotonic() - procs.started[i] < TIMEOUT_S:
-                    continue
-                if code is None:
-                    procs.kill(i)
-                del running[i]
-                log = procs.log(i)
-                results = [json.loads(line[len(MARK) :]) for line in log.splitlines() if line.startswith(MARK)]
-                results = {r["name"]: r for r in results}
-                for name in names:
-                    outcome[name] = (results.get(name), code, log)
-    finally:
-        procs.kill_all()
-    return outcome
-
-
 @pytest.fixture(scope="module")
 def example_results(request, tmp_path_factory):
     """Module name -> (result, exit status, log) for each module whose test was collected (only those run)."""
     wanted = {item.callspec.params["name"] for item in request.session.items if item.module is request.module
               and item.originalname == "test_module_examples_run"}
-    return _run_processes(tmp_path_factory.mktemp("docstrings"), _processes(wanted))
+    queue = _procs.Queue(tmp_path_factory.mktemp("docstrings"), parallel=PARALLEL, timeout=TIMEOUT_S)
+    processes = _processes(wanted)
+    try:
+        for names in processes:
+            queue.add(tuple(names), [sys.executable, "-c", CHILD, *names], _procs.clean_env())
+        outcome = {}
+        for names in processes:
+            code, log = queue.result(tuple(names))
+            results = [json.loads(line[len(MARK) :]) for line in log.splitlines() if line.startswith(MARK)]
+            results = {r["name"]: r for r in results}
+            outcome.update({name: (results.get(name), code, log) for name in names})
+        return outcome
+    finally:
+        queue.kill_all()
 
 
 def _module_output(log: str, name: str, ended: bool) -> str:
