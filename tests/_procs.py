@@ -52,11 +52,11 @@ def run_python(code: str, *, timeout: float = 300, env: dict | None = None) -> s
 
 
 class Procs:
-    """Started processes (each in its own session), their logs, and their exit times."""
+    """Started processes (each in its own session), their logs, and their start (monotonic) and exit times."""
 
     def __init__(self, tmp_path):
         self.tmp_path = tmp_path
-        self.procs, self.logs, self.ended = [], [], []
+        self.procs, self.logs, self.started, self.ended = [], [], [], []
 
     def start(self, cmd, env) -> int:
         i = len(self.procs)
@@ -66,6 +66,7 @@ class Procs:
                 subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
             )
         self.logs.append(log)
+        self.started.append(time.monotonic())
         self.ended.append(None)
         return i
 
@@ -90,13 +91,62 @@ class Procs:
     def log(self, i) -> str:
         return self.logs[i].read_text(errors="replace")
 
+    def kill(self, i):
+        """SIGKILLs process `i`'s session if it is still running, and reaps it."""
+        p = self.procs[i]
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
     def kill_all(self):
-        for p in self.procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        for i in range(len(self.procs)):
+            self.kill(i)
 
 
 def workers(n):
     return tuple(f"127.0.0.1:{p}" for p in launch.free_ports(n))
+
+
+class Queue:
+    """Commands run as child processes `parallel` at a time, in the order added, each killed `timeout` s after start.
+
+    `result(key)` runs the queue until `key`'s process has ended: a test waits only for what it checks, while
+    the next commands already run. Every process still running is killed by `kill_all` (test teardown).
+    """
+
+    def __init__(self, tmp_path, *, parallel: int = 2, timeout: float = 300):
+        self.procs, self.parallel, self.timeout = Procs(tmp_path), parallel, timeout
+        self.todo, self.running, self.ended = [], {}, {}
+
+    def add(self, key, cmd, env: dict, after=None) -> None:
+        """Queues `cmd`; with `after`, it starts only once the process of that (earlier added) key has ended."""
+        assert after is None or after in {k for k, *_ in self.todo} | set(self.running) | set(self.ended), after
+        self.todo.append((key, cmd, env, after))
+
+    def _poll(self) -> None:
+        for key, i in list(self.running.items()):
+            running = self.procs.procs[i].poll() is None
+            if running and time.monotonic() - self.procs.started[i] < self.timeout:
+                continue
+            self.procs.kill(i)  # reaps a process that ended by itself
+            del self.running[key]
+            self.ended[key] = (None if running else self.procs.procs[i].returncode, i)
+        for item in list(self.todo):
+            key, cmd, env, after = item
+            if len(self.running) >= self.parallel:
+                break
+            if after is None or after in self.ended:
+                self.todo.remove(item)
+                self.running[key] = self.procs.start(cmd, env)
+
+    def result(self, key) -> tuple[int | None, str]:
+        """Waits for `key`'s process: its exit status (None: killed after `timeout` s) and its output."""
+        while key not in self.ended:
+            self._poll()
+            time.sleep(0.1)
+        code, i = self.ended[key]
+        return code, self.procs.log(i)
+
+    def kill_all(self) -> None:
+        self.procs.kill_all()

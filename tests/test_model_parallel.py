@@ -1,7 +1,8 @@
 """ModelParallelStrategy: Keras 3 models split over a DTensor mesh train as on one device.
 
 Each scenario runs in a process of its own (tests/_mp_child.py; a DTensor runtime error poisons
-its process) on 8 simulated CPUs, trains the same model unsharded and sharded from the same seed
+its process) on 8 simulated CPUs, two processes at a time (`SCENARIOS`, in order; "reshard" once
+"hybrid" has written its checkpoints), trains the same model unsharded and sharded from the same seed
 on the same batches, and reports numbers checked here. Tolerances: losses rtol 1e-4, weights after
 Adam atol 1e-4 (float32 sums over shards associate differently than on one device).
 """
@@ -9,9 +10,9 @@ Adam atol 1e-4 (float32 sums over shards associate differently than on one devic
 import json
 import math
 import os
-import subprocess
 import sys
 
+import _procs
 import pytest
 from _procs import REPO
 from _procs import clean_env
@@ -22,25 +23,36 @@ ADAM_ATOL = 1e-4
 TIMEOUT_S = 240
 
 
-def run_scenario(name, out_dir, *extra, env=None):
-    full_env = clean_env(TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
-    proc = subprocess.run(
-        [sys.executable, CHILD, name, str(out_dir), *map(str, extra)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        env=full_env,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, f"scenario {name!r} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    with open(os.path.join(out_dir, "result.json")) as f:
+# Scenario -> the scenario whose output it reads (its directory is passed as the third argument).
+SCENARIOS = {"hybrid": None, "reshard": "hybrid", "subclassed": None, "data_and_conv": None, "unsafe_env": None,
+             "dtensor_loop": None, "unmatched_rules": None}
+SCENARIO_ENV = {"unsafe_env": {"DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION": "1"}}
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    """Every scenario queued (`_procs.Queue`, each killed `TIMEOUT_S` after it starts); scenario -> its directory."""
+    queue = _procs.Queue(tmp_path_factory.mktemp("scenario_logs"), parallel=2, timeout=TIMEOUT_S)
+    dirs = {name: tmp_path_factory.mktemp(name) for name in SCENARIOS}
+    for name, needs in SCENARIOS.items():
+        args = [sys.executable, CHILD, name, str(dirs[name]), *([str(dirs[needs])] if needs else [])]
+        queue.add(name, args, clean_env(TF_CPP_MIN_LOG_LEVEL="3", **SCENARIO_ENV.get(name, {})), after=needs)
+    yield queue, dirs
+    queue.kill_all()
+
+
+def run_scenario(scenarios, name):
+    queue, dirs = scenarios
+    code, output = queue.result(name)
+    status = f"killed after {TIMEOUT_S}s" if code is None else f"exit status {code}"
+    assert code == 0, f"scenario {name!r} failed ({status}):\n{output[-9000:]}"
+    with open(os.path.join(dirs[name], "result.json")) as f:
         return json.load(f)
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hybrid")
-    return out, run_scenario("hybrid", out)
+def hybrid(scenarios):
+    return scenarios[1]["hybrid"], run_scenario(scenarios, "hybrid")
 
 
 def test_transformer_block_on_2x4_mesh_matches_one_device(hybrid):
@@ -120,9 +132,9 @@ def test_get_set_weights_and_on_batch_methods_with_numpy(hybrid):
     assert r["predict_on_batch_diff"] < 1e-4
 
 
-def test_checkpoints_saved_on_2x4_restore_onto_4x2_1x8_and_one_device(hybrid, tmp_path):
-    src, saved = hybrid
-    r = run_scenario("reshard", tmp_path, src)
+def test_checkpoints_saved_on_2x4_restore_onto_4x2_1x8_and_one_device(hybrid, scenarios):
+    _, saved = hybrid
+    r = run_scenario(scenarios, "reshard")
     for target, mesh in (("4x2", [4, 2]), ("1x8", [1, 8]), ("one_device", None)):
         for fmt in ("keras", "weights_h5", "checkpoint"):
             key = f"{target}_{fmt}"
@@ -137,8 +149,8 @@ def test_checkpoints_saved_on_2x4_restore_onto_4x2_1x8_and_one_device(hybrid, tm
 
 
 @pytest.fixture(scope="module")
-def subclassed(tmp_path_factory):
-    return run_scenario("subclassed", tmp_path_factory.mktemp("subclassed"))
+def subclassed(scenarios):
+    return run_scenario(scenarios, "subclassed")
 
 
 def test_subclassed_model_on_model_only_mesh_with_tf_data(subclassed):
@@ -175,8 +187,8 @@ def test_transformer_preset_covers_tfdist_models_transformer_lm(subclassed):
     assert lm["logits/kernel"] == [None, "model"]
 
 
-def test_batch_only_mesh_and_conv_preset_match_one_device(tmp_path):
-    r = run_scenario("data_and_conv", tmp_path)
+def test_batch_only_mesh_and_conv_preset_match_one_device(scenarios):
+    r = run_scenario(scenarios, "data_and_conv")
     for name in ("batch_only", "conv"):
         assert r[f"{name}_loss_rel"] < LOSS_RTOL, name
         assert r[f"{name}_weights_diff"] < ADAM_ATOL, name
@@ -189,8 +201,8 @@ def test_batch_only_mesh_and_conv_preset_match_one_device(tmp_path):
     assert r["uneven_weights_diff"] < ADAM_ATOL  # a batch of 9 over the batch axis of 2, as on one device
 
 
-def test_all_reduce_combining_is_refused_and_would_corrupt_adam(tmp_path):
-    r = run_scenario("unsafe_env", tmp_path, env={"DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION": "1"})
+def test_all_reduce_combining_is_refused_and_would_corrupt_adam(scenarios):
+    r = run_scenario(scenarios, "unsafe_env")  # DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION=1
     assert "refuses to run" in r["refused"]
     # What the guard prevents. If these start passing the tolerances, TensorFlow fixed the pass.
     assert r["unsafe_weights_diff"] > 10 * ADAM_ATOL
@@ -205,8 +217,8 @@ LOOP_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def dtensor_loop(tmp_path_factory):
-    return run_scenario("dtensor_loop", tmp_path_factory.mktemp("dtensor_loop"))
+def dtensor_loop(scenarios):
+    return run_scenario(scenarios, "dtensor_loop")
 
 
 LOOP_CASES = [
@@ -253,8 +265,8 @@ def test_eager_call_on_numpy_outside_the_scope_builds_sharded_and_reads_on_the_h
 
 # ------------------------------------------------------------------ rules that match nothing
 @pytest.fixture(scope="module")
-def unmatched(tmp_path_factory):
-    return run_scenario("unmatched_rules", tmp_path_factory.mktemp("unmatched_rules"))
+def unmatched(scenarios):
+    return run_scenario(scenarios, "unmatched_rules")
 
 
 def test_a_rule_that_matches_nothing_warns_once_at_fit_naming_it_and_near_paths(unmatched):

@@ -35,9 +35,12 @@ def _start(procs, addresses, out, mode, **opts):
     return indices
 
 
+def _single_cmd(out, mode, **opts):
+    return [sys.executable, WORKER, str(out), mode, *(f"{k}={v}" for k, v in opts.items())]
+
+
 def _single(out, mode, *, timeout=300, **opts):
-    args = [f"{k}={v}" for k, v in opts.items()]
-    result = _procs.run([sys.executable, WORKER, str(out), mode, *args], timeout=timeout)
+    result = _procs.run(_single_cmd(out, mode, **opts), timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return dict(np.load(out))
 
@@ -47,21 +50,52 @@ def _weights(result, prefix="w"):
     return [result[k] for k in sorted(keys, key=lambda k: int(k[len(prefix) :]))]
 
 
+REFERENCES = {"one": {"mesh": "none", "local": 1}, "single8": {"mesh": HYBRID, "local": 8}}
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """The same training in one process: on one device, and on 8 devices with the hybrid mesh."""
+def reference_procs(tmp_path_factory):
+    """Starts the same training in one process: on one device, and on 8 devices with the hybrid mesh.
+
+    Each in its own process (their devices differ); they train while the first 2-process run does.
+    """
     tmp = tmp_path_factory.mktemp("references")
-    return {
-        "one": _single(tmp / "one.npz", "reference", mesh="none", local=1),
-        "single8": _single(tmp / "single8.npz", "reference", mesh=HYBRID, local=8),
-    }
+    procs = _procs.Procs(tmp)
+    try:
+        for name, opts in REFERENCES.items():
+            procs.start(_single_cmd(tmp / f"{name}.npz", "reference", **opts), _procs.clean_env())
+        yield tmp, procs
+    finally:
+        procs.kill_all()
 
 
 @pytest.fixture(scope="module")
-def hybrid_run(tmp_path_factory):
+def references(reference_procs):
+    """The reference runs' results, by name (see `reference_procs`)."""
+    tmp, procs = reference_procs
+    codes = procs.wait(timeout=300)
+    assert codes == [0] * len(REFERENCES), [procs.log(i)[-3000:] for i in range(len(REFERENCES))]
+    return {name: dict(np.load(tmp / f"{name}.npz")) for name in REFERENCES}
+
+
+@pytest.fixture(scope="module")
+def load_procs(tmp_path_factory):
+    """Where `hybrid_run` starts the process that loads its checkpoints (`loaded`), killed by PID at teardown."""
+    procs = _procs.Procs(tmp_path_factory.mktemp("load"))
+    yield procs
+    procs.kill_all()
+
+
+ONTO = f"{HYBRID};batch:4,model:2;none"
+
+
+@pytest.fixture(scope="module")
+def hybrid_run(tmp_path_factory, reference_procs, load_procs):
     """2 processes x 4 devices, {"batch": 2, "model": 4}, checkpoints written to a shared directory.
 
     Input: a tf.data pipeline per process that yields only its rows of each global batch (sharding="off").
+    Started after the reference runs (`reference_procs`), which train meanwhile. Once it ends, one process
+    (8 devices) starts loading its checkpoints onto the meshes `ONTO` while the next tests run (`loaded`).
     """
     tmp = tmp_path_factory.mktemp("hybrid")
     procs = _procs.Procs(tmp)
@@ -71,9 +105,18 @@ def hybrid_run(tmp_path_factory):
         codes = procs.wait(timeout=300)
         assert codes == [0, 0], [procs.log(i)[-3000:] for i in range(2)]
         assert not any("DataShardingWarning" in procs.log(i) for i in range(2))
+        load = _single_cmd(load_procs.tmp_path / "load.npz", "load", mesh="none", local=8, ckpt=tmp / "ckpt", onto=ONTO)
+        load_procs.start(load, _procs.clean_env())
         return tmp, [dict(np.load(tmp / f"w{i}.npz")) for i in range(2)]
     finally:
         procs.kill_all()
+
+
+@pytest.fixture(scope="module")
+def loaded(hybrid_run, load_procs):
+    """What the process that `hybrid_run` started found in the checkpoints, loaded onto each mesh of `ONTO`."""
+    assert load_procs.wait(timeout=300) == [0], load_procs.log(0)[-3000:]
+    return dict(np.load(load_procs.tmp_path / "load.npz"))
 
 
 def _check_matches(results, references, fraction):
@@ -110,17 +153,15 @@ def test_model_split_across_processes_matches(procs, tmp_path, references):
     _check_matches([dict(np.load(tmp_path / f"w{i}.npz")) for i in range(2)], references, 0.125)
 
 
-def test_checkpoint_of_two_processes_loads_on_other_meshes_and_one_device(hybrid_run, tmp_path):
+def test_checkpoint_of_two_processes_loads_on_other_meshes_and_one_device(hybrid_run, loaded):
     """.keras, .weights.h5, tf.train.Checkpoint, Keras' ModelCheckpoint, tfdist's Checkpoint of the 2-process run.
 
     Every process gathers the shards; one writes each shared file (worker 0's paths; Keras' callback elects
     the writer of its shared directory).
     """
-    tmp, results = hybrid_run
+    _, results = hybrid_run
     saved = _weights(results[0])
-    onto = f"{HYBRID};batch:4,model:2;none"
-    loaded = _single(tmp_path / "load.npz", "load", mesh="none", local=8, ckpt=tmp / "ckpt", onto=onto)
-    for name in onto.split(";"):
+    for name in ONTO.split(";"):
         for kind in ("keras", "h5", "tf", "callback", "tfdist"):
             got = [loaded[f"{name}/{kind}{i}"] for i in range(len(saved))]
             for a, b in zip(saved, got):
@@ -137,8 +178,8 @@ def test_conv_rules_across_processes_match_one_device(procs, tmp_path):
     Input: the same tf.data pipeline of global batches on each process; each keeps its rows (DATA sharding,
     with the DataShardingWarning of sharding="auto").
     """
-    one = _single(tmp_path / "one.npz", "conv", mesh="none", local=1)
     _start(procs, _procs.workers(2), tmp_path / "w", "conv", mesh=HYBRID, tfdata="global")
+    one = _single(tmp_path / "one.npz", "conv", mesh="none", local=1)  # while the 2 processes train
     assert procs.wait(timeout=300) == [0, 0], [procs.log(i)[-3000:] for i in range(2)]
     assert all("DataShardingWarning" in procs.log(i) for i in range(2))
     for i in range(2):
