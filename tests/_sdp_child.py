@@ -4,7 +4,7 @@ Usage: python tests/_sdp_child.py DEVICES OUT_DIR [CHECKPOINT_DIR]
 
 Simulates DEVICES CPUs. Without CHECKPOINT_DIR: for each model (MLP under SGD with momentum and clipnorm,
 CNN with BatchNorm under Adam with global_clipnorm and gradient_accumulation_steps, transformer_lm, a
-subclassed model with an embedding under plain SGD) and each shard mode, trains once on one device (no
+subclassed model) and each shard mode, trains once on one device (no
 strategy) and once sharded, from the same seed on the same 102 examples in batches of 16 (the last batch,
 6 examples, splits over neither 4 nor 8 devices), and measures the persistent bytes per device of
 transformer_lm(d_model=256); with 8 devices it also trains on a 2-D mesh, saves checkpoints to
@@ -81,26 +81,21 @@ def lm():
 
 
 class Subclassed(keras.Model):
-    """Token embedding and a residual MLP, variables created when first called; plain SGD (no slots).
-
-    Plain SGD applies an embedding's IndexedSlices gradient with a scatter (DTensor cannot lay one out).
-    """
+    """A residual MLP whose variables are created when it is first called."""
 
     def __init__(self):
         super().__init__(name="subclassed")
-        self.embed = keras.layers.Embedding(64, 16, name="embed")
         self.inner = keras.layers.Dense(64, activation="tanh", name="inner")
         self.back = keras.layers.Dense(16, name="back")
         self.head = keras.layers.Dense(4, name="head")
 
-    def call(self, tokens):
-        x = keras.ops.mean(self.embed(tokens), axis=1)
+    def call(self, x):
         return self.head(x + self.back(self.inner(x)))
 
 
 def subclassed():
     model = Subclassed()
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.compile(optimizer=sgd(), loss="mse")
     return model
 
 
@@ -113,9 +108,6 @@ def data(kind, n=EXAMPLES, seed=0):
         return rng.normal(size=(n, 8, 8, 3)).astype("float32"), rng.integers(0, 10, (n,)).astype("int32")
     if kind == "lm":
         return rng.integers(0, 64, (n, 8)).astype("int32"), rng.integers(0, 64, (n, 8)).astype("int32")
-    if kind == "subclassed":
-        tokens = rng.integers(0, 64, (n, 8)).astype("int32")
-        return tokens, np.tanh(rng.normal(size=(64, 4)))[tokens].mean(axis=1).astype("float32")
     x = rng.normal(size=(n, 16)).astype("float32")
     return x, np.tanh(x[:, :4] * 2.0).astype("float32")
 

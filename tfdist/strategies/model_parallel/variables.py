@@ -102,30 +102,6 @@ class ShardedVariable(dtensor.DVariable):
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
         return super().assign_sub(self._as_layout(delta), use_locking, name, read_value)
 
-    # DTensor (TensorFlow 2.21) has no layout propagation for the ResourceScatter* ops that Keras' optimizers use
-    # for an IndexedSlices gradient (an embedding's, under SGD): the rows are summed into a dense delta instead,
-    # which is what the scatter computes (repeated rows add up).
-    def _dense_rows(self, sparse_delta):
-        return tf.math.unsorted_segment_sum(
-            tf.cast(sparse_delta.values, self.dtype), sparse_delta.indices, int(self.shape[0])
-        )
-
-    def scatter_add(self, sparse_delta, use_locking=False, name=None):
-        return self.assign_add(self._dense_rows(sparse_delta))
-
-    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
-        return self.assign_sub(self._dense_rows(sparse_delta))
-
-    def scatter_update(self, sparse_delta, use_locking=False, name=None):
-        counts = tf.math.unsorted_segment_sum(
-            tf.ones_like(sparse_delta.indices, self.dtype), sparse_delta.indices, int(self.shape[0])
-        )
-        rows = self._dense_rows(sparse_delta) / tf.reshape(
-            tf.maximum(counts, 1), [-1] + [1] * (self.shape.rank - 1)
-        )
-        touched = tf.reshape(counts > 0, [-1] + [1] * (self.shape.rank - 1))
-        return self.assign(tf.where(touched, rows, self.read_value()))
-
 
 class GatheredVariable(ShardedVariable):
     """A ShardedVariable stored split but read in another layout inside traced steps (FSDP-style).
