@@ -31,12 +31,14 @@ BENCHMARKS = {
     "allreduce": ([], (420, 1800)),
     "scaling": ([], (240, 1800)),
     "multi_worker": ([], (180, 1200)),
+    "flight": ([], (120, 600)),
     "model_parallel": (["--write"], (240, 2400)),
     "model_parallel_processes": ([], (300, 1500)),
     "sharded_data_parallel": ([], (720, 1500)),
     "checkpoint": ([], (120, 900)),
     "pipeline": ([], (240, 1800)),
     "xla": ([], (300, 1200)),
+    "step_stats": ([], (240, 1200)),
 }
 
 

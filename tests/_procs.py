@@ -5,6 +5,7 @@ environment without cluster descriptions or tfdist settings, the repository on P
 """
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -49,6 +50,27 @@ def run(args, *, timeout: float, env: dict | None = None, **popen) -> subprocess
 def run_python(code: str, *, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Runs `code` (dedented) in a fresh Python process; see `run`."""
     return run([sys.executable, "-c", textwrap.dedent(code)], timeout=timeout, env=env)
+
+
+def run_child(script: str, out, *, timeout: float) -> dict:
+    """Runs `python script out` (its output to `out/log.txt`), killed after `timeout` s; its `out/result.json`.
+
+    Raises:
+        AssertionError: with the log's tail, when the child exits non-zero.
+    """
+    with open(os.path.join(out, "log.txt"), "w") as log:
+        proc = subprocess.Popen([sys.executable, script, str(out)], stdout=log, stderr=subprocess.STDOUT,
+                                env=clean_env(TF_CPP_MIN_LOG_LEVEL="3"), cwd=REPO)
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    with open(os.path.join(out, "log.txt")) as log:
+        assert code == 0, log.read()[-8000:]
+    with open(os.path.join(out, "result.json")) as result:
+        return json.load(result)
 
 
 class Procs:

@@ -241,7 +241,8 @@ def test_last_batch_that_does_not_split_runs_whole_on_every_device(procs, tmp_pa
 
 def test_stuck_process_ends_the_other_after_the_step_timeout(procs, tmp_path):
     """Worker 1 stops taking steps but stays alive (heartbeats go on): worker 0's step overruns `timeout`."""
-    indices = _start(procs, _procs.workers(2), tmp_path / "w", "fit", mesh=HYBRID, epochs=1000, stall=600, timeout=15)
+    addresses = _procs.workers(2)
+    indices = _start(procs, addresses, tmp_path / "w", "fit", mesh=HYBRID, epochs=1000, stall=600, timeout=15)
     deadline = time.monotonic() + 240
     while "TRAINING 1" not in procs.log(1) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -251,7 +252,12 @@ def test_stuck_process_ends_the_other_after_the_step_timeout(procs, tmp_path):
     assert code not in (None, 0), f"worker 0 still running {took:.0f}s after worker 1 stalled"
     # The test sees the stall a little after worker 0's step began waiting: `took` can be slightly under 15 s.
     assert 10 <= took < 60, took
-    assert "a distributed step has run for more than timeout=15s" in procs.log(0)
+    log = procs.log(0)
+    assert "a distributed step has run for more than timeout=15s" in log
+    # Before it was killed, worker 0's flight recorder said what it waited in (its watchdog waited for that).
+    head = f"tfdist flight recorder: worker 0 ({addresses[0]}): a distributed step has run for more than timeout=15s"
+    assert head in log and log.index(head) < log.index("Ending this process."), log[-3000:]
+    assert re.search(r"\n  waiting in: train step \d+, for 1\d\.\d s\n", log[log.index(head) :]), log[-3000:]
 
 
 def test_peers_that_never_come_end_the_process_after_join_timeout(procs, tmp_path):

@@ -343,6 +343,37 @@ def test_gradient_colocation_hook_is_still_needed():
     assert grads and all(op.device == "" for op in grads)
 
 
+def test_gradient_sums_and_bias_gradients_run_next_to_their_ops():
+    # The tape sums the gradients of a tensor read twice (a residual stream) outside any gradient function,
+    # and hands BiasAdd's gradient neither the op's inputs nor its outputs: TensorFlow leaves both
+    # unplaced (they would run on the step's device, the last stage); while staging they run where their
+    # gradients are.
+    from tfdist import _compat
+    from tfdist._compat import layer_call
+
+    _compat.install("pipeline")
+    with tf.device("CPU:1"):
+        w, b = tf.Variable(tf.ones((4, 4))), tf.Variable(tf.zeros((4,)))
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            with tf.device("CPU:1"):
+                h = tf.nn.bias_add(tf.matmul(x, w), b)
+                y = h * h + h
+            loss = tf.reduce_sum(y)
+        return tape.gradient(loss, [w, b])
+
+    def placed(staging):
+        with layer_call.stage_devices({0: "CPU:1"} if staging else None):
+            graph = tf.function(step).get_concrete_function(tf.TensorSpec((2, 4))).graph
+        ops = [op for op in graph.get_operations() if op.type in ("AddN", "BiasAddGrad")]
+        assert sorted(op.type for op in ops) == ["AddN", "BiasAddGrad"], ops
+        return {op.device.split("device:")[-1] for op in ops}
+
+    assert placed(False) == {""}
+    assert placed(True) == {"CPU:1"}
+
+
 # ------------------------------------------------------------------------------ balancer
 def unbalanced():
     """Eight Dense layers; the first two hold half the parameters, so an equal number of layers per
@@ -444,7 +475,7 @@ def fit_error(strategy, build=mlp6, batch_size=8):
 
 def test_more_stages_than_layers():
     small = lambda: mlp6(widths=(8,) * 5)  # noqa: E731
-    assert "stages=8 is more than the 6 top-level layers" in fit_error(
+    assert "stages=8 is more than the 6 layers" in fit_error(
         tfdist.PipelineStrategy(stages=8, microbatches=1), small
     )
 
@@ -482,7 +513,7 @@ def test_assignment_against_the_data_flow():
     assert "Layer 'c' (stage 0) reads the output of layer 'b' (stage 1)" in message
 
 
-def test_weights_shared_across_stages():
+def test_weights_shared_across_stages_live_on_one():
     def tied():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((8,))
@@ -519,12 +550,15 @@ def test_weights_shared_across_stages():
     strategy = tfdist.PipelineStrategy(stages=2, microbatches=2, placement={"shared": 0, "middle": 1, "head": 1})
     with strategy.scope():
         model = tied()
-    with pytest.raises(ValueError, match="reads the output of layer 'middle'"):
+    # A rule naming a layer places all its calls: its second call (after `middle`) is not on stage 1.
+    with pytest.raises(ValueError, match="Layer 'shared:1' \\(stage 0\\) reads the output of layer 'middle'"):
         model.fit(x, y, batch_size=8, verbose=0)
-    model = shared_weight()
-    shared = "Weight 'first/kernel' of layer 'first' is shared by layers on stages \\[0, 1\\]"
-    with pytest.raises(ValueError, match=shared):
-        pipeline_lib.plan_explicit(model, {"first": 0, "middle": 0, "tied": 1, "head": 1}, 2)
+    # `tied` reads `first`'s kernel on a later stage: the weights live on that stage, which runs `first` too.
+    plan = pipeline_lib.plan_explicit(shared_weight(), {"first": 0, "middle": 0, "tied": 1, "head": 1}, 2)
+    assert plan.layers == (("middle",), ("first", "tied", "head"))
+    (shared,) = plan.shared
+    assert shared.weights == ("first/kernel", "first/bias") and shared.placed == (0, 1) and shared.stage == 1
+    assert plan.params == (72, 72 + 27)
 
 
 def test_docstring_examples_run(python_subprocess):

@@ -231,3 +231,51 @@ def test_activation_layouts_are_refused_naming_the_rule(pattern):
 def test_weights_of_a_layer_named_output_are_not_activations():
     rules = layouts.LayoutRules([("output/kernel$", (None, "model")), ("output_proj/bias", ("model",))])
     assert rules.spec_for("lm/output/kernel", (8, 16), MESH) == (None, "model")
+
+
+# ------------------------------------------------------------------------------- keras LayoutMap
+def _layout_map(shape=(2, 4), names=("batch", "model")):
+    from keras import distribution
+
+    devices = [f"cpu:{i}" for i in range(shape[0] * shape[1])]
+    return distribution.LayoutMap(distribution.DeviceMesh(shape=shape, axis_names=names, devices=devices))
+
+
+def test_layout_map_keeps_keras_matching_fullmatch_and_exact_key_first():
+    layout_map = _layout_map()
+    layout_map["d1/kernel"] = (None, "model")
+    layout_map["d.*/kernel"] = ("model", None)
+    layout_map["dense/bias"] = ("model",)
+    layout_map["d2/output"] = ("batch", None)
+    rules = layouts.LayoutRules(layout_map)
+    assert rules.mesh == MESH
+    assert rules.activation_keys == ("d2/output",)
+    # The exact key wins over the regex key that also matches it, as in Keras.
+    assert rules.spec_for("d1/kernel", (8, 16), MESH) == (None, "model")
+    assert rules.spec_for("d2/kernel", (16, 4), MESH) == ("model", None)
+    # Keys must match the whole path (re.fullmatch), where tfdist's own patterns are searched.
+    assert rules.spec_for("block/dense/bias", (16,), MESH) == (None,)
+    assert rules.spec_for("dense/bias", (16,), MESH) == ("model",)
+    assert "LayoutMap key 'd1/kernel'" in str(rules.rule_for("d1/kernel"))
+    # Combined with tfdist rules, the map's mesh stays.
+    assert (rules + [(r"head/kernel$", (None, "model"))]).mesh == MESH
+
+
+def test_layout_map_errors_name_the_path_and_the_meshes():
+    from keras import distribution
+
+    layout_map = _layout_map()
+    layout_map["d1/kernel"] = ("model",)
+    rules = layouts.LayoutRules(layout_map)
+    rank = r"LayoutMap key 'd1/kernel'.*variable 'd1/kernel' has shape \(8, 16\) \(rank 2\)"
+    with pytest.raises(ValueError, match=rank):
+        rules.spec_for("d1/kernel", (8, 16), MESH)
+    other = distribution.DeviceMesh(shape=(4, 2), axis_names=("batch", "model"), devices=[f"cpu:{i}" for i in range(8)])
+    layout_map = _layout_map()
+    layout_map["d1/kernel"] = distribution.TensorLayout((None, "model"), other)
+    wide, tall = r"\{'batch': 2, 'model': 4\}", r"\{'batch': 4, 'model': 2\}"
+    with pytest.raises(ValueError, match=f"LayoutMap key 'd1/kernel'.*{tall}.*{wide}"):
+        layouts.LayoutRules(layout_map)
+    devices = [f"CPU:{i}" for i in range(8)]
+    with pytest.raises(ValueError, match=f"LayoutMap's DeviceMesh {wide}.*{tall}"):
+        ModelParallelStrategy(mesh={"batch": 4, "model": 2}, rules=_layout_map(), devices=devices)

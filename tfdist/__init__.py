@@ -25,11 +25,14 @@ _PUBLIC = {
     "PipelineStrategy": "tfdist.strategies.pipeline",
     "ShardedDataParallelStrategy": "tfdist.strategies.sharded_data_parallel",
     "advise": "tfdist.advisor",
+    "use_keras_distribution": "tfdist.keras_distribution",
     "CompatError": "tfdist.errors",
     "ClusterError": "tfdist.errors",
     "DataShardingWarning": "tfdist.errors",
 }
-_SUBMODULES = ("callbacks", "cluster", "data", "devices", "errors", "layouts", "models", "placement")
+_SUBMODULES = (
+    "callbacks", "cluster", "data", "devices", "errors", "flight", "layouts", "models", "placement", "timeline",
+)
 
 __all__ = sorted([*_PUBLIC, *_SUBMODULES, "__version__"])
 
@@ -39,14 +42,17 @@ if TYPE_CHECKING:  # IDEs and type checkers see the names (`x as x`: re-exported
     from tfdist import data as data
     from tfdist import devices as devices
     from tfdist import errors as errors
+    from tfdist import flight as flight
     from tfdist import layouts as layouts
     from tfdist import models as models
     from tfdist import placement as placement
+    from tfdist import timeline as timeline
     from tfdist.advisor import advise as advise
     from tfdist.devices import simulate_devices as simulate_devices
     from tfdist.errors import ClusterError as ClusterError
     from tfdist.errors import CompatError as CompatError
     from tfdist.errors import DataShardingWarning as DataShardingWarning
+    from tfdist.keras_distribution import use_keras_distribution as use_keras_distribution
     from tfdist.strategies.data_parallel import DataParallelStrategy as DataParallelStrategy
     from tfdist.strategies.model_parallel import ModelParallelStrategy as ModelParallelStrategy
     from tfdist.strategies.multi_worker import MultiWorkerStrategy as MultiWorkerStrategy

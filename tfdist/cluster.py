@@ -36,6 +36,8 @@ _NO_PARAMETER_SERVERS = (
 
 JOIN_TIMEOUT_ENV = "TFDIST_JOIN_TIMEOUT"
 """Set by `tfdist-launch`: the default `join_timeout` of `tfdist.MultiWorkerStrategy`, in seconds."""
+RUN_DIR_ENV = "TFDIST_RUN_DIR"
+"""Set by `tfdist-launch`: a directory every worker of the job writes its flight-recorder status to."""
 
 
 ClusterError = errors.ClusterError
@@ -444,3 +446,35 @@ def join_timeout(env: Mapping[str, str] | None = None) -> float | None:
             f"(0, {_validate.MAX_SECONDS:g}]."
         )
     return seconds
+
+
+def run_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """The job's run directory (`TFDIST_RUN_DIR`, which `tfdist-launch` sets), or None.
+
+    Every worker keeps its flight-recorder status there (see `tfdist.flight`),
+    so the others learn its progress. Elsewhere, set it to a directory all
+    workers share (the same path on every host).
+
+    Args:
+        env: the environment to read; defaults to `os.environ`.
+
+    Raises:
+        ClusterError: when `TFDIST_RUN_DIR` is set but is not a directory.
+
+    Example:
+
+    >>> run_dir(env={}) is None
+    True
+    >>> run_dir(env={"TFDIST_RUN_DIR": "/"})
+    '/'
+    """
+    env = os.environ if env is None else env
+    value = env.get(RUN_DIR_ENV)
+    if not value:
+        return None
+    if not os.path.isdir(value):
+        raise ClusterError(
+            f"{RUN_DIR_ENV}={value!r} is not a directory. Expected an existing directory every worker of the job "
+            "can write (tfdist-launch makes one), or leave the variable unset."
+        )
+    return value

@@ -46,7 +46,7 @@ SHARDS = ("weights", "optimizer")
 DEFAULT_SHARD = "weights"
 """The --shard of --strategy=sharded_data_parallel without --shard (ZeRO-3 / FSDP)."""
 
-RULES = ("transformer", "conv", "data_parallel", "none")
+RULES = ("transformer", "auto", "conv", "data_parallel", "none")
 """Valid values of --rules: the presets of `tfdist.layouts`, and "none" (every weight replicated)."""
 
 DEFAULT_MESH = {"batch": 2, "model": 4}
@@ -192,6 +192,56 @@ def format_mesh(mesh: dict[str, int]) -> str:
     return ",".join(f"{name}:{size}" for name, size in mesh.items())
 
 
+def parse_profile_steps(text: str) -> tuple[int, int]:
+    """Parses a --profile_steps value, "FIRST:LAST" (both included) or one step "N", into (first, last).
+
+    Args:
+        text: e.g. "10:15".
+
+    Returns:
+        The first and last step to profile, e.g. `(10, 15)`.
+
+    Raises:
+        ValueError: naming what does not parse and showing the valid form.
+
+    Example:
+
+    >>> parse_profile_steps("10:15"), parse_profile_steps("7")
+    ((10, 15), (7, 7))
+    >>> parse_profile_steps("15:10")
+    Traceback (most recent call last):
+    ...
+    ValueError: '15:10' is not FIRST:LAST with 1 <= FIRST <= LAST. Expected step numbers (counted from 1) such as \
+--profile_steps=10:15 (steps 10 to 15, both included) or --profile_steps=10
+    """
+    parts = [p.strip() for p in str(text).split(":")]
+    if 1 <= len(parts) <= 2 and all(p.isascii() and p.isdigit() for p in parts):
+        first, last = int(parts[0]), int(parts[-1])
+        if 1 <= first <= last:
+            return first, last
+    raise ValueError(
+        f"{str(text)!r} is not FIRST:LAST with 1 <= FIRST <= LAST. Expected step numbers (counted from 1) such as "
+        "--profile_steps=10:15 (steps 10 to 15, both included) or --profile_steps=10"
+    )
+
+
+class _ProfileStepsParser(flags.ArgumentParser):
+    """absl parser of --profile_steps: "10:15" -> (10, 15)."""
+
+    syntactic_help = "FIRST:LAST, steps counted from 1, both included (or one step N)"
+
+    def parse(self, argument):
+        return tuple(argument) if isinstance(argument, (tuple, list)) else parse_profile_steps(argument)
+
+    def flag_type(self):
+        return "steps"
+
+
+class _ProfileStepsSerializer(flags.ArgumentSerializer):
+    def serialize(self, value):
+        return f"{value[0]}:{value[1]}"
+
+
 class _MeshParser(flags.ArgumentParser):
     """absl parser of --mesh: "batch:2,model:4" -> {"batch": 2, "model": 4}."""
 
@@ -281,6 +331,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
         None,
         f"--strategy=model_parallel only: the tfdist.layouts preset that places the weights (default "
         f"{DEFAULT_RULES}: Megatron-style MLP, attention heads and vocabulary split over the mesh's model axis); "
+        "auto: the same splits, found by layer type and position instead of layer names; "
         "conv: convolution output channels; data_parallel or none: every weight replicated.",
         flag_values,
         enum_values=list(RULES),
@@ -361,6 +412,19 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
         "default: a new temporary directory.",
         flag_values,
     )
+    if "profile_steps" not in flag_values:
+        flags.DEFINE(
+            _ProfileStepsParser(),
+            "profile_steps",
+            None,
+            "Profile these training steps on every worker, FIRST:LAST (counted from 1, both included), e.g. 10:15: "
+            "each worker writes TensorFlow's profiler trace to model_dir/logs/plugins/profile/<run>/"
+            "worker-<i>.xplane.pb (TensorBoard's Profile tab reads them) and the chief merges them into one "
+            "timeline, <run>/timeline.json, for ui.perfetto.dev or chrome://tracing (tfdist.callbacks.ProfileSteps). "
+            "With more than one worker, --model_dir must be a directory every worker can write.",
+            flag_values,
+            _ProfileStepsSerializer(),
+        )
     _define(
         "integer",
         "seed",

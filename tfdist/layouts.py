@@ -6,10 +6,11 @@
 10
 """
 
+from tfdist.placement.presets import auto
 from tfdist.placement.presets import conv
 from tfdist.placement.presets import data_parallel
 from tfdist.placement.presets import transformer
 from tfdist.placement.rules import LayoutRules
 from tfdist.placement.rules import Rule
 
-__all__ = ["LayoutRules", "Rule", "conv", "data_parallel", "transformer"]
+__all__ = ["LayoutRules", "Rule", "auto", "conv", "data_parallel", "transformer"]

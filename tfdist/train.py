@@ -5,8 +5,9 @@ standard library's source) under any tfdist strategy (--strategy: data,
 multi_worker, model_parallel with --mesh and --rules, pipeline with --stages and
 --microbatches, sharded_data_parallel with --shard; auto says what it chose and
 why), saves an atomic checkpoint per epoch (`tfdist.callbacks.Checkpoint`), the
-final model as `model.keras` and TensorBoard logs under --model_dir, and prints
-a summary: devices, tokens/s, the speed against one device (measured after
+final model as `model.keras` and TensorBoard logs under --model_dir (with
+--profile_steps, every worker's profiler trace of those steps and the chief's
+merged timeline of them), and prints a summary: devices, tokens/s, the speed against one device (measured after
 training, --measure_speedup) and what would make the strategy pay, train loss,
 and held-out loss and perplexity before and after training.
 
@@ -17,6 +18,7 @@ Examples:
     tfdist-train --strategy=model_parallel --mesh=batch:2,model:4   # 8 simulated devices
     tfdist-train --strategy=pipeline --stages=2 --microbatches=4    # 2 simulated devices
     tfdist-train --strategy=sharded_data_parallel --shard=optimizer # 4 simulated devices
+    tfdist-launch -n 2 -- tfdist-train --profile_steps=10:15 --model_dir=/tmp/lm   # one timeline of 2 workers
     python -m tfdist.train --flagfile=lm.flags
 """
 
@@ -293,6 +295,47 @@ def _speed_rows(model, build, train_ds, strategy, devices: list[str], multi_work
     return [(label, measured), (kind, verdict)]
 
 
+def _profile_callback(strategy, log_dir: str, *, total_steps: int, steps: int):
+    """The `ProfileSteps` of --profile_steps (None without it), writing where every worker can: --model_dir/logs."""
+    from tfdist import callbacks as tfdist_callbacks
+    from tfdist.strategies import topology as topology_lib
+
+    if FLAGS.profile_steps is None:
+        return None
+    first, last = FLAGS.profile_steps
+    if last > total_steps:
+        _fail(
+            f"--profile_steps={first}:{last} ends after the last training step, {total_steps} (--epochs={FLAGS.epochs} "
+            f"x {steps} steps). Expected steps from 1 to {total_steps}, e.g. --profile_steps="
+            f"{min(first, total_steps)}:{total_steps}."
+        )
+    workers = topology_lib.of(strategy).num_workers
+    if workers > 1 and not FLAGS.model_dir:
+        _fail(
+            f"--profile_steps with {workers} workers needs --model_dir: a directory every worker can write (on a file "
+            "system they share), where each writes its trace and the chief merges them."
+        )
+    # The chief's log directory: the other workers write their traces there too, not into their temporary one.
+    where = os.path.join(FLAGS.model_dir, "logs") if FLAGS.model_dir else log_dir
+    try:
+        return tfdist_callbacks.ProfileSteps(steps=(first, last), log_dir=where)
+    except ValueError as e:
+        _fail(f"--profile_steps: {e}")
+
+
+def _timeline_row(profile, chief: bool) -> str:
+    """The summary's words on the profiled steps' timeline."""
+    steps = f"steps {profile.first} to {profile.last}"
+    if not chief:
+        return f"merged by the chief ({steps}; this worker's trace is in {profile.run_dir})"
+    if profile.trace_path is None:
+        return f"not written: no worker captured a trace of {steps} (see the warnings above)"
+    return (
+        f"{profile.trace_path} ({steps} of every worker; open it in ui.perfetto.dev or chrome://tracing; "
+        f"TensorBoard's Profile tab reads the per-worker traces in {profile.run_dir})"
+    )
+
+
 def _perplexity(loss: float) -> float:
     return math.exp(min(loss, 700.0))
 
@@ -392,6 +435,7 @@ def main(argv: list[str]) -> int:
     )
     batch = FLAGS.global_batch_size
     steps_per_epoch = FLAGS.steps or math.ceil(train_windows / batch)
+    profile = _profile_callback(strategy, log_dir, total_steps=FLAGS.epochs * steps_per_epoch, steps=steps_per_epoch)
 
     if FLAGS.strategy == "auto":  # once the input is known to be good: bad input prints only its error
         print(f"tfdist-train: --strategy=auto chose {chosen}: {reason}", flush=True)
@@ -421,6 +465,7 @@ def main(argv: list[str]) -> int:
                 checkpoint,
                 keras.callbacks.TensorBoard(log_dir=log_dir),
                 throughput,
+                *([profile] if profile else []),  # last: its step markers hold the step and the others' step ends
             ],
             verbose=1 if sys.stdout.isatty() else 2,
         )
@@ -473,6 +518,7 @@ def main(argv: list[str]) -> int:
             ("checkpoint", checkpoint.last_saved if chief else "written by the chief"),
             ("Keras model", model_path if chief else "written by the chief"),
             ("TensorBoard logs", log_dir if chief else "written by the chief"),
+            *([("timeline", _timeline_row(profile, chief))] if profile else []),
         ]
     )
     return 0

@@ -18,6 +18,16 @@ CHECKED_ON = {"tensorflow": "2.21", "keras": "3.15"}
 EXACT = ("data_parallel", "multi_worker", "pipeline")
 
 
+class _Absent:
+    """The `original` of a hook that adds an attribute its owner lacks (`ABSENT`)."""
+
+    def __repr__(self):
+        return "ABSENT"
+
+
+ABSENT = _Absent()
+
+
 def _major_minor(version: str) -> str:
     return ".".join(version.split(".")[:2])
 
@@ -79,7 +89,8 @@ class Hook:
         owner, attribute, replacement: the patch (`setattr(owner, attribute, replacement)`), or None
             for a hook that only checks code a replacement relies on.
         original: what `owner.attribute` is before the patch; anything else there (Keras overrode it
-            in a subclass, another library patched it) is a CompatError.
+            in a subclass, another library patched it) is a CompatError. `ABSENT`: the owner has no
+            such attribute, and tfdist adds it (one appearing in Keras is a CompatError).
         after: called once right after the patch is set (e.g. to re-register a function with TF's C++).
     """
 
@@ -97,18 +108,24 @@ class Hook:
         """Raises CompatError if the probed code changed, or the patched attribute is not the expected one."""
         require(self.name, self.probe, *self.needles)
         if self.owner is not None:
-            current = getattr(self.owner, self.attribute)
+            current = getattr(self.owner, self.attribute, ABSENT)
             if current is not self.original and current is not self.replacement:
+                where = f"{_qualified_name(self.owner)}.{self.attribute}"
+                if self.original is ABSENT:
+                    problem = f"{where} exists now, where tfdist adds it (Keras or another library defines it)"
+                else:
+                    problem = (
+                        f"{where} is not {_qualified_name(self.original)}, the code tfdist replaces (overridden "
+                        "or patched elsewhere)"
+                    )
                 raise errors.CompatError(
-                    f"tfdist hook {self.name!r} no longer applies: {_qualified_name(self.owner)}.{self.attribute} "
-                    f"is not {_qualified_name(self.original)}, the code tfdist replaces (overridden or patched "
-                    f"elsewhere). {_installed_versions()}"
+                    f"tfdist hook {self.name!r} no longer applies: {problem}. {_installed_versions()}"
                 )
 
     @property
     def patched(self) -> bool:
         """Whether the replacement is in place (True for a check-only hook)."""
-        return self.owner is None or getattr(self.owner, self.attribute) is self.replacement
+        return self.owner is None or getattr(self.owner, self.attribute, ABSENT) is self.replacement
 
     def apply(self) -> None:
         """Sets the replacement (idempotent)."""
@@ -119,7 +136,10 @@ class Hook:
 
 
 def hook(name: str, probe, needles, *features: str, patch: tuple | None = None, original=None, after=None) -> Hook:
-    """A `Hook`; `patch` is `(owner, attribute, replacement)`; `original` defaults to `owner.attribute` now."""
+    """A `Hook`; `patch` is `(owner, attribute, replacement)`; `original` defaults to `owner.attribute` now.
+
+    Pass `original=ABSENT` for an attribute the owner lacks and the patch adds.
+    """
     if patch is None:
         return Hook(name, probe, tuple(needles), frozenset(features))
     owner, attribute, replacement = patch

@@ -5,7 +5,11 @@
 `colocate_gradients_with_ops` for `tf.gradients` only; for tapes, the hook
 re-registers the tape's gradient function with a wrapper that, while
 `layer_call.stage_devices` is active (a PipelineStrategy step), enters the
-forward op's device. A tf.function call (an XLA-compiled stage layer) records a
+forward op's device (the device of its incoming gradient when the tape hands
+over neither the op's inputs nor its outputs: BiasAdd's gradient). The tape sums
+the gradients of a tensor several ops read (a residual stream) with its
+vspace's `aggregate_fn`, outside any gradient function: while staging, the sum
+runs where most of those gradients are. A tf.function call (an XLA-compiled stage layer) records a
 backward function of its own on the tape, not through that registry: while
 staging, `_DelayedRewriteGradientFunctions._backward` (graph building) and
 `_TapeGradientFunctions._wrap_backward_function` return one that calls the
@@ -47,15 +51,42 @@ def _forward_device(op_name, inputs, outputs) -> str:
     return ""
 
 
+def _gradient_device(gradients) -> str:
+    """The device most of `gradients` (tensors, IndexedSlices or None) are on; the first such on a tie."""
+    devices = [
+        t.device
+        for g in gradients or ()
+        for t in _graph_tensors([g.values if isinstance(g, tf.IndexedSlices) else g])
+        if t.device
+    ]
+    return max(devices, key=devices.count) if devices else ""
+
+
 def _colocated_gradient_function(
     op_name, attr_tuple, num_inputs, inputs, outputs, out_grads, skip_input_indices, forward_pass_name_scope
 ):
     args = (op_name, attr_tuple, num_inputs, inputs, outputs, out_grads, skip_input_indices, forward_pass_name_scope)
-    device = _forward_device(op_name, inputs, outputs) if layer_call.staging() else ""
+    device = ""
+    if layer_call.staging():
+        device = _forward_device(op_name, inputs, outputs) or _gradient_device(out_grads)
     if not device:
         return _original_gradient_function(*args)
     with tf.device(device):
         return _original_gradient_function(*args)
+
+
+_original_vspace = tf_backprop._default_vspace
+
+
+def _colocated_aggregate(gradients):
+    device = _gradient_device(gradients) if layer_call.staging() else ""
+    if not device:
+        return _original_vspace.aggregate_fn(gradients)
+    with tf.device(device):
+        return _original_vspace.aggregate_fn(gradients)
+
+
+_colocated_vspace = _original_vspace._replace(aggregate_fn=_colocated_aggregate)
 
 
 _delayed_functions = tf_concrete_function._DelayedRewriteGradientFunctions
@@ -111,4 +142,12 @@ HOOKS = (
         patch=(_tape_functions, "_wrap_backward_function", _wrap_backward_function),
     ),
     hook("gradient_registration", tf_backprop, ("TFE_Py_RegisterGradientFunction(_gradient_function)",), "pipeline"),
+    hook(
+        "gradient_aggregation",
+        tf_backprop,
+        ("aggregate_fn=_aggregate_grads", "TFE_Py_RegisterVSpace(_default_vspace)"),
+        "pipeline",
+        patch=(tf_backprop, "_default_vspace", _colocated_vspace),
+        after=lambda: pywrap_tfe.TFE_Py_RegisterVSpace(_colocated_vspace),
+    ),
 )

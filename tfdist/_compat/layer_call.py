@@ -1,9 +1,15 @@
 """Keras `Layer.__call__`: a pipeline stage's layers run on the stage's device; a model calls its strategy.
 
-* While `stage_devices({id(layer): device})` is active on a thread (a
+* While `stage_devices({key: device})` is active on a thread (a
   PipelineStrategy step), `Layer.__call__` enters the device of the stage that
-  owns the layer (a `tf.device` around Keras' own `__call__`), so each stage's
-  forward ops run where its weights live; sublayers inherit the scope.
+  owns the call (a `tf.device` around Keras' own `__call__`), so each stage's
+  forward ops run where its weights live; sublayers inherit the scope. A call
+  is keyed by its graph node's id: a functional model runs each node through
+  `Function._get_operation_for_node`, which records the node for the layer
+  call that follows, so two calls of one layer (inside a backbone and at the
+  top, as a tied embedding is) can be placed apart, and the layers inside a
+  nested functional model are placed one by one. A layer called outside a
+  graph (a Sequential without an Input) is keyed by its own id.
   With `compiled_stages()` active as well (a model with `jit_compile=True`),
   each such layer's call is an XLA-compiled function on its stage's device
   (one per layer and device, traced once per step; its gradient is compiled
@@ -34,10 +40,13 @@ from tfdist.strategies import _extended
 _state = threading.local()
 _keras_layer = keras.src.layers.layer.Layer
 _original_layer_call = _keras_layer.__call__
+_keras_function = keras.src.ops.function.Function
+_original_operation_for_node = _keras_function._get_operation_for_node
 
 
 def stage_devices(devices):
-    """While active on this thread, layer `id -> device` placement and gradient colocation apply."""
+    """While active on this thread, call placement (`{id(node) or id(layer): device}`) and gradient
+    colocation apply."""
     return thread_local_scope(_state, "devices", devices)
 
 
@@ -84,9 +93,22 @@ def _compiled_call(self, device, args, kwargs):
     return tf.nest.map_structure(with_mask, outputs, masks)
 
 
+def _operation_for_node(self, node):
+    if getattr(_state, "devices", None):
+        _state.node = node  # the call Keras makes next is this node's
+    return _original_operation_for_node(self, node)
+
+
+def _call_key(layer) -> int:
+    """This call's placement key: its node's id when a functional graph is running it, else the layer's."""
+    node = getattr(_state, "node", None)
+    _state.node = None  # the layer's own sublayer calls are not graph nodes
+    return id(node) if node is not None and node.operation is layer else id(layer)
+
+
 def _layer_call(self, *args, **kwargs):
     devices = getattr(_state, "devices", None)
-    device = devices.get(id(self)) if devices else None
+    device = devices.get(_call_key(self)) if devices else None
     if device is not None:
         with tf.device(device):
             if getattr(_state, "compiled", None) is not None and not getattr(_state, "inside", False):
@@ -106,6 +128,13 @@ HOOKS = (
         "pipeline",
         "model_parallel",
         patch=(_keras_layer, "__call__", _layer_call),
+    ),
+    hook(
+        "graph_node_call",
+        _keras_function._run_through_graph,
+        ("operation = self._get_operation_for_node(node)", "op = operation_fn(operation)", "op(*args, **kwargs)"),
+        "pipeline",
+        patch=(_keras_function, "_get_operation_for_node", _operation_for_node),
     ),
     hook(
         "model_strategy",

@@ -21,7 +21,9 @@ the multi-worker reduction of step outputs, and `*_on_batch` inputs.
   raises) and Keras' compilation of the whole function is off. Keras'
   `jit_compile="auto"` asks `_tfdist_auto_jit` (Keras turns XLA off under any
   tf.distribute strategy).
-* `keras_step(fn)`: which model's train/test/predict step `fn` is.
+* `keras_step(fn)`: which model's train/test/predict step `fn` is. While a
+  flight recorder runs (a multi-process job, `tfdist.flight`), every call of
+  a Keras train/test/predict function is recorded as a step of its kind.
 * Multi-worker: Keras' `reduce_per_replica` reduces the "mean" of step outputs
   (scalar metric results) with `strategy.reduce(..., axis=0)`, which fails on
   scalars ("Invalid reduction dimension 0"). Under a tfdist multi-worker
@@ -36,6 +38,7 @@ Checked on TensorFlow 2.21 / Keras 3.15.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import keras
@@ -45,6 +48,7 @@ from tensorflow.python.distribute import values as tf_values
 from tensorflow.python.util import nest
 from tensorflow.python.util import tf_decorator
 
+from tfdist import flight
 from tfdist._compat._hook import EXACT
 from tfdist._compat._hook import hook
 from tfdist._compat._hook import missing_spec_error
@@ -121,24 +125,28 @@ def _build_with_step_tf(build, *, inline: bool):
 
 
 class _CalledIn:
-    """A Keras step function whose every call runs inside the strategy's `_tfdist_step_call_context()`."""
+    """A Keras step function whose every call is recorded by the flight recorder (`tfdist.flight`) as a `kind`
+    step, and runs inside the strategy's `_tfdist_step_call_context()` when it has one."""
 
-    def __init__(self, function, call_context):
+    def __init__(self, function, call_context, kind):
         self._function = function
-        self._call_context = call_context
+        self._call_context = call_context or contextlib.nullcontext
+        self._kind = kind
 
     def __call__(self, *args, **kwargs):
-        with self._call_context():
+        with flight.keras_step(self._kind), self._call_context():
             return self._function(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._function, name)
 
 
-def _called_in_context(extended, function):
-    if function is None or isinstance(function, _CalledIn) or extended._tfdist_step_call_context is None:
+def _called_in_context(extended, function, kind):
+    if function is None or isinstance(function, _CalledIn):
         return function
-    return _CalledIn(function, extended._tfdist_step_call_context)
+    if extended._tfdist_step_call_context is None and flight.current() is None:
+        return function
+    return _CalledIn(function, extended._tfdist_step_call_context, kind)
 
 
 def _make_function(self, step_function):
@@ -149,10 +157,11 @@ def _make_function(self, step_function):
     if compiled:
         extended._tfdist_jit_compile(self)
     inline = extended._tfdist_inline_steps and self.steps_per_execution > 1
+    kind = keras_step(step_function)[1] or "keras"
     if not inline and not compiled:
-        return _called_in_context(extended, _original_make_function(self, step_function))
+        return _called_in_context(extended, _original_make_function(self, step_function), kind)
     return _called_in_context(
-        extended, _build_with_step_tf(lambda: _original_make_function(self, step_function), inline=inline)
+        extended, _build_with_step_tf(lambda: _original_make_function(self, step_function), inline=inline), kind
     )
 
 
@@ -166,7 +175,7 @@ def _make_predict_function(self, force=False):
     if extended is None:
         return _original_make_predict_function(self, force=force)
     _make_predict_function_of(self, extended, force)
-    self.predict_function = _called_in_context(extended, self.predict_function)
+    self.predict_function = _called_in_context(extended, self.predict_function, "predict")
     return self.predict_function
 
 

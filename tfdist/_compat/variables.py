@@ -26,13 +26,19 @@ _creating = threading.local()
 
 
 def _variable_initialize(self, value):
-    with thread_local_scope(_creating, "path", self.path):
+    with thread_local_scope(_creating, "variable", self):
         return _original_variable_initialize(self, value)
+
+
+def creating_variable():
+    """The Keras variable whose backing tf.Variable is being created, else None."""
+    return getattr(_creating, "variable", None)
 
 
 def creating_variable_path() -> str | None:
     """The Keras path of the variable whose backing tf.Variable is being created, else None."""
-    return getattr(_creating, "path", None)
+    variable = creating_variable()
+    return None if variable is None else variable.path
 
 
 def variable_path(name: str) -> str:

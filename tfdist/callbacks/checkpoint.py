@@ -19,6 +19,7 @@ import numpy as np
 
 from tfdist import _compat
 from tfdist import _validate
+from tfdist import flight
 from tfdist.callbacks import _files
 from tfdist.callbacks import _preemption
 from tfdist.callbacks import _resume
@@ -238,7 +239,6 @@ class Checkpoint(keras.callbacks.Callback):
         value = logs.get(self.monitor) if self.monitor else None
         if value is not None and not math.isfinite(value):
             value = None
-        paths, arrays = _state.collect_state(self.model, include_optimizer=self.include_optimizer)
         meta = {
             "step": step,
             "epoch": epoch,
@@ -247,7 +247,9 @@ class Checkpoint(keras.callbacks.Callback):
             "monitor_value": value,
             "include_optimizer": self.include_optimizer,
         }
-        path = _files.save(self.directory, self.prefix, step, paths, arrays, meta, rank=self._rank)
+        with flight.phase("checkpoint", f"step {step}"):
+            paths, arrays = _state.collect_state(self.model, include_optimizer=self.include_optimizer)
+            path = _files.save(self.directory, self.prefix, step, paths, arrays, meta, rank=self._rank)
         self._last_saved_step = self._step_at_last_save = step
         if path is None:
             return
@@ -436,9 +438,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _save(self, logs):
         """Writes this worker's backup of the current step (the last two are kept)."""
         step = _step(self.model)
-        paths, arrays = _state.collect_state(self.model)
-        meta = {"step": step, "logs": _floats(logs), **self._position.meta()}
-        _files.write_file(os.path.join(self._dir, _files.checkpoint_name(self._PREFIX, step)), paths, arrays, meta)
+        with flight.phase("checkpoint", f"backup step {step}"):
+            paths, arrays = _state.collect_state(self.model)
+            meta = {"step": step, "logs": _floats(logs), **self._position.meta()}
+            path = os.path.join(self._dir, _files.checkpoint_name(self._PREFIX, step))
+            _files.write_file(path, paths, arrays, meta)
         for _, old in _files.list_checkpoints(self._dir, self._PREFIX)[:-2]:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(old)

@@ -1,13 +1,19 @@
 """Layout rule presets for common model families.
 
 Each preset returns a `LayoutRules`; combine presets with `+` and pass the
-result to `tfdist.ModelParallelStrategy(rules=...)`. The regexes follow Keras'
-default layer names and those of `tfdist.models`; each preset takes the layer
-name patterns as arguments so models with other names can use it too.
+result to `tfdist.ModelParallelStrategy(rules=...)`. `auto()` finds each
+weight's role (attention projection, feed-forward layer, embedding, LM head)
+from the layer types and how the layers fit together, whatever their names;
+the other presets are regexes on weight paths that follow Keras' default layer
+names and those of `tfdist.models`, with the patterns as arguments.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from tfdist.placement.roles import ROLES
+from tfdist.placement.roles import RoleRule
 from tfdist.placement.rules import LayoutRules
 from tfdist.placement.rules import Rule
 
@@ -26,7 +32,11 @@ def transformer(
     embedding: str = r"(?!pos)[^/]*embedding[^/]*",
     lm_head: str = r"logits|lm_head",
 ) -> LayoutRules:
-    """Megatron-style tensor parallelism for transformer blocks.
+    """Megatron-style tensor parallelism for transformer blocks, by layer name.
+
+    The rules match weight paths, so they fit `tfdist.models` and models whose
+    layers are named alike; for other names (KerasHub's GPT-2, Llama, Gemma,
+    BERT) use `auto()`, which finds the same parts by layer type and position.
 
     * MLP: the first Dense / EinsumDense (`mlp_in`) is column-parallel (its
       kernel's output dimension and its bias are split), the second (`mlp_out`)
@@ -73,6 +83,84 @@ def transformer(
             (_layer(lm_head) + "bias$", (axis,)),
         ]
     )
+
+
+def auto(*, axis: str = "model", roles: Sequence[str] = ROLES) -> LayoutRules:
+    """Megatron-style tensor parallelism found from what each layer does, not from its name.
+
+    The same splits as `transformer()`, for weights found by role (see
+    `tfdist.placement.roles`): the layer's type, the layer it belongs to, and
+    its place among its siblings.
+
+    * "attention_in": the query, key and value projections (the `Dense` /
+      `EinsumDense` sublayers of an attention layer that split into heads:
+      `MultiHeadAttention`, KerasHub's `CachedMultiHeadAttention`,
+      `LlamaAttention`, `CachedGemmaAttention`, ...), split over the heads;
+    * "attention_out": its output projection (the one merging the heads),
+      split over the heads it sums;
+    * "mlp_in": the first dense layer(s) of a feed-forward unit (both of a
+      gated one: gate and up), split over their output units;
+    * "mlp_out": the dense layer that takes their output back to the model
+      width, split over its input units;
+    * "embedding": `Embedding` tables (KerasHub's `ReversibleEmbedding` too),
+      split over the vocabulary;
+    * "lm_head": untied reverse embeddings, and a dense layer onto the
+      vocabulary of the model's largest embedding, split over the vocabulary.
+
+    Row-parallel biases, norms and position embeddings stay replicated. A role
+    whose dimension the axis does not divide (2 key/value heads over 4
+    devices, a vocabulary of 50257) stays whole, with the reason in the
+    placement report's note, instead of raising. The report's "chosen by"
+    column names each weight's role ("attention query (EinsumDense in
+    CachedMultiHeadAttention)").
+
+    Path rules win over roles: `auto() + LayoutRules([...])` (either order)
+    places the weights a path rule matches by that rule, the others by role.
+
+    Under a strategy with these rules, the weights of a layer being built are
+    created when the outermost build ends, once the whole block is known (for a
+    functional model: each top-level layer; a subclassed model built by
+    tracing its call: the whole model).
+
+    Args:
+        axis: the mesh axis to split over.
+        roles: the roles to split, a subset of `tfdist.placement.roles.ROLES`
+            (default: all); weights of the others stay replicated.
+
+    Returns:
+        `LayoutRules` of role rules.
+
+    Raises:
+        ValueError: for an unknown or repeated role, or an axis that is not a
+            non-empty string.
+
+    Example:
+
+    >>> import tfdist
+    >>> from tfdist import layouts
+    >>> [str(rule) for rule in layouts.auto(roles=["mlp_in", "mlp_out"])]
+    ["role 'mlp_in' -> 'model'", "role 'mlp_out' -> 'model'"]
+    >>> strategy = tfdist.ModelParallelStrategy(
+    ...     mesh={"batch": 1, "model": 1}, devices=["CPU:0"], rules=layouts.auto())
+    >>> with strategy.scope():
+    ...     model = tfdist.models.transformer_lm(seq_len=8, vocab_size=32, d_model=16, num_heads=2, num_layers=1)
+    >>> report = {v.path: v for v in strategy.placement_report(model, print_fn=None).variables}
+    >>> report["block_0/attention/query/kernel"].spec, report["block_0/attention/query/kernel"].chosen_by
+    ((None, 'model', None), 'attention query (EinsumDense in MultiHeadAttention)')
+    >>> report["block_0/mlp_out/kernel"].spec, report["block_0/mlp_out/kernel"].chosen_by
+    (('model', None), 'feed-forward out (Dense in TransformerBlock)')
+    >>> report["logits/kernel"].chosen_by
+    'LM head (Dense onto the 32-entry vocabulary of an embedding)'
+    """
+    if isinstance(roles, str) or not isinstance(roles, Sequence):
+        raise ValueError(f"`roles` must be a list of role names from {list(ROLES)}; got {roles!r}.")
+    unknown = [r for r in roles if r not in ROLES]
+    if unknown:
+        raise ValueError(f"Unknown role {unknown[0]!r} in `roles` of auto(). Valid roles: {list(ROLES)}.")
+    repeated = sorted({r for r in roles if list(roles).count(r) > 1})
+    if repeated:
+        raise ValueError(f"Role {repeated[0]!r} is given twice in `roles` of auto(); keep one.")
+    return LayoutRules([RoleRule.of(role, axis) for role in roles])
 
 
 def conv(*, axis: str = "model", layers: str = r"(?!depthwise)[^/]*conv[123]d(_\d+)?") -> LayoutRules:

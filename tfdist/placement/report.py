@@ -23,7 +23,12 @@ class VariablePlacement:
 
     `gathered`: stored split, read in another layout in each step. `note`: under
     sharded data parallelism, the dimension the data axis splits, or why the
-    variable stays replicated over it.
+    variable stays replicated over it; for a role (`tfdist.layouts.auto()`)
+    whose dimension the mesh axis does not divide, why it stays whole.
+    `chosen_by`: the path rule ("rule 'mlp_in/kernel$' -> (..., 'model')") or
+    role ("attention query (EinsumDense in CachedMultiHeadAttention)") that
+    chose the layout, "" when none did (replicated); optimizer slots give their
+    variable's.
     """
 
     path: str
@@ -34,6 +39,7 @@ class VariablePlacement:
     bytes_per_device: int
     gathered: bool = False
     note: str = ""
+    chosen_by: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +70,21 @@ class PlacementReport:
         return sum(v.bytes_total for v in self.variables)
 
     def table(self) -> str:
-        """The report as a text table."""
+        """The report as a text table.
+
+        A "note" column appears when a variable has a note, a "chosen by"
+        column when roles placed some variable (`tfdist.layouts.auto()`).
+        """
         notes = any(v.note for v in self.variables)
-        rows = [("path", "shape", "layout", "bytes total", "bytes/device") + (("sharding",) if notes else ())]
+        chosen = any(v.chosen_by and not v.chosen_by.startswith("rule ") for v in self.variables)
+        extra = (("note",) if notes else ()) + (("chosen by",) if chosen else ())
+        rows = [("path", "shape", "layout", "bytes total", "bytes/device") + extra]
         for v in self.variables:
             layout = (
                 "(" + ", ".join("-" if a is None else a for a in v.spec) + ")" + (" gathered" if v.gathered else "")
             )
             row = (v.path, str(list(v.shape)), layout, f"{v.bytes_total:,}", f"{v.bytes_per_device:,}")
-            rows.append(row + ((v.note,) if notes else ()))
+            rows.append(row + ((v.note,) if notes else ()) + ((v.chosen_by,) if chosen else ()))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [
             "  ".join(c.rjust(w) if i in (3, 4) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()

@@ -10,6 +10,11 @@ of any rank.
 Rules are ordered; a variable matched by no rule is replicated, and a variable
 matched by two rules is an error (so adding a rule never silently changes
 another's meaning).
+
+A `keras.distribution.LayoutMap` is accepted wherever rules are, with Keras'
+own matching kept for its keys (see `LayoutRules`): a key must match the whole
+path (`re.fullmatch`, where tfdist's patterns are searched), and a key equal to
+the path wins over keys that match it as a regex.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import re
 from collections.abc import Iterable
 from collections.abc import Mapping
 from collections.abc import Sequence
+from typing import ClassVar
 
 Spec = tuple  # of str | None, optionally starting with Ellipsis
 # A pattern whose last path component is "output": Keras' key for a layer's output (activation) layout.
@@ -38,11 +44,14 @@ class Rule:
             says, but gather it whole for each use in the forward pass (as
             FSDP / ZeRO-3 do). For ops DTensor cannot run on a split operand,
             such as a convolution's filter.
+        fullmatch: the pattern must match the whole path (a Keras `LayoutMap`
+            key's semantics) instead of being searched in it.
     """
 
     pattern: str
     spec: Spec
     gather: bool = False
+    fullmatch: bool = False
 
     def __post_init__(self):
         if not isinstance(self.pattern, str) or not self.pattern:
@@ -81,12 +90,17 @@ class Rule:
             )
         object.__setattr__(self, "spec", spec)
 
+    # False for rules that place weights by role, not by path (tfdist/placement/roles.py): they match no path.
+    by_path: ClassVar[bool] = True
+
     @property
     def axes(self) -> tuple[str, ...]:
         """The mesh axes this rule uses."""
         return tuple(a for a in self.spec if isinstance(a, str))
 
     def matches(self, path: str) -> bool:
+        if self.fullmatch:
+            return self.pattern == path or re.fullmatch(self.pattern, path) is not None
         return re.search(self.pattern, path) is not None
 
     def expand(self, rank: int) -> tuple | None:
@@ -98,18 +112,32 @@ class Rule:
 
     def __str__(self):
         shown = ", ".join("..." if a is Ellipsis else repr(a) for a in self.spec)
-        return f"{self.pattern!r} -> ({shown})" + (" gathered for use" if self.gather else "")
+        name = f"LayoutMap key {self.pattern!r}" if self.fullmatch else repr(self.pattern)
+        return f"{name} -> ({shown})" + (" gathered for use" if self.gather else "")
 
 
 class LayoutRules:
     """An ordered list of layout rules (regex on the variable path -> sharding spec).
 
     Args:
-        rules: `(pattern, spec)` pairs, `Rule`s, another `LayoutRules`, or a
-            dict `{pattern: spec}`.
+        rules: `(pattern, spec)` pairs, `Rule`s, another `LayoutRules`, a
+            dict `{pattern: spec}`, or a `keras.distribution.LayoutMap`.
+
+    A `LayoutMap` keeps Keras' semantics: each key is a regex that must match
+    the whole variable path (`re.fullmatch`; tfdist's own patterns are searched,
+    `re.search`), and a key equal to the path wins over other keys matching it
+    (tfdist refuses a path two rules match). Its `TensorLayout` values (or axis
+    tuples) become specs; keys naming a layer's output (`"d2/output"`, an
+    activation layout) are kept in `activation_keys` and place nothing:
+    activations take the layout DTensor derives from the weights and the batch
+    (under a Keras `ModelParallel` set after `tfdist.use_keras_distribution()`,
+    Keras' layer call relayouts them).
+    The map's `DeviceMesh` is kept as `mesh` (axis name -> size), which a
+    strategy given no mesh adopts and otherwise checks against its own.
 
     Raises:
-        ValueError: for an invalid regex or spec, or a pattern given twice.
+        ValueError: for an invalid regex or spec, a pattern given twice, or a
+            LayoutMap whose `TensorLayout`s name another mesh.
 
     Example:
 
@@ -124,8 +152,13 @@ class LayoutRules:
     """
 
     def __init__(self, rules: Iterable | Mapping = ()):
-        if isinstance(rules, LayoutRules):
+        self.mesh: dict[str, int] | None = None
+        self.activation_keys: tuple[str, ...] = ()
+        if _is_layout_map(rules):
+            items, self.mesh, self.activation_keys = _from_layout_map(rules)
+        elif isinstance(rules, LayoutRules):
             items = list(rules.rules)
+            self.mesh, self.activation_keys = rules.mesh, rules.activation_keys
         elif isinstance(rules, Mapping):
             items = list(rules.items())
         elif isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
@@ -165,7 +198,15 @@ class LayoutRules:
         return len(self.rules)
 
     def __add__(self, other) -> LayoutRules:
-        return LayoutRules(list(self.rules) + list(LayoutRules(other).rules))
+        other = LayoutRules(other)
+        if self.mesh is not None and other.mesh is not None and self.mesh != other.mesh:
+            raise ValueError(
+                f"Cannot combine layout rules for the mesh {self.mesh!r} with a LayoutMap for the mesh {other.mesh!r}."
+            )
+        combined = LayoutRules(list(self.rules) + list(other.rules))
+        combined.mesh = self.mesh if self.mesh is not None else other.mesh
+        combined.activation_keys = self.activation_keys + other.activation_keys
+        return combined
 
     def __eq__(self, other):
         return isinstance(other, LayoutRules) and self.rules == other.rules
@@ -191,6 +232,10 @@ class LayoutRules:
         """
         found = [r for r in self.rules if r.matches(path)]
         if len(found) > 1:
+            # A LayoutMap key equal to the path wins, as in `keras.distribution.LayoutMap`.
+            exact = [r for r in found if r.fullmatch and r.pattern == path]
+            if exact:
+                return exact[0]
             raise ValueError(
                 f"Variable {path!r} matches {len(found)} layout rules: "
                 + "; ".join(str(r) for r in found)
@@ -246,11 +291,11 @@ class LayoutRules:
         return spec, rule
 
     def unmatched(self, paths: Iterable[str]) -> list[tuple[Rule, list[str]]]:
-        """The rules matching none of `paths`, each with up to 3 similar paths (near misses)."""
+        """The path rules matching none of `paths`, each with up to 3 similar paths (near misses)."""
         paths = list(paths)
         out = []
         for rule in self.rules:
-            if any(rule.matches(p) for p in paths):
+            if not rule.by_path or any(rule.matches(p) for p in paths):
                 continue
             # The pattern's literal pieces: "feature.*kernel" -> ["feature", "kernel"].
             pieces = [p for p in re.split(r"\\.|[\^$()\[\]|?*+{}.]", rule.pattern) if p]
@@ -260,3 +305,45 @@ class LayoutRules:
                 near = [p for p in paths if tail and tail in p][:3]
             out.append((rule, near))
         return out
+
+
+def _is_layout_map(value) -> bool:
+    """Whether `value` is a `keras.distribution.LayoutMap` (Keras imported only when it could be one)."""
+    if isinstance(value, (LayoutRules, str, bytes, list, tuple, dict)):
+        return False
+    from keras import distribution
+
+    return isinstance(value, distribution.LayoutMap)
+
+
+def device_mesh_axes(device_mesh) -> dict[str, int]:
+    """A `keras.distribution.DeviceMesh`'s axis name -> size."""
+    return {str(a): int(n) for a, n in zip(device_mesh.axis_names, device_mesh.shape)}
+
+
+def _from_layout_map(layout_map) -> tuple[list[Rule], dict[str, int] | None, tuple[str, ...]]:
+    """A `keras.distribution.LayoutMap` as (rules, mesh axis name -> size, activation keys)."""
+    mesh = device_mesh_axes(layout_map.device_mesh) if layout_map.device_mesh is not None else None
+    rules, activations = [], []
+    for key, layout in layout_map.items():
+        if layout is None:
+            continue
+        layout_mesh = getattr(layout, "device_mesh", None)
+        if layout_mesh is not None and mesh is not None and device_mesh_axes(layout_mesh) != mesh:
+            raise ValueError(
+                f"LayoutMap key {key!r}: its TensorLayout is on the mesh {device_mesh_axes(layout_mesh)!r}, but the "
+                f"LayoutMap's DeviceMesh is {mesh!r}. Give every TensorLayout the LayoutMap's mesh (or none)."
+            )
+        if _ACTIVATION.search(key):
+            activations.append(key)
+            continue
+        axes = getattr(layout, "axes", layout)
+        try:
+            spec = tuple(None if a is None else str(a) for a in axes)
+        except TypeError:
+            raise ValueError(
+                f"LayoutMap key {key!r}: expected a keras.distribution.TensorLayout or a tuple of mesh axis names "
+                f"and None; got {layout!r}."
+            ) from None
+        rules.append(Rule(key, spec, fullmatch=True))
+    return rules, mesh, tuple(activations)

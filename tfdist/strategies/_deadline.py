@@ -35,6 +35,8 @@ class StepDeadline:
     Args:
         timeout: seconds a call may run.
         what: who this process is, for the error message (e.g. its worker address).
+        on_expire: called with the error message from the watchdog thread just before the
+            collectives are aborted (the flight recorder's report), or None.
 
     Example:
 
@@ -44,9 +46,10 @@ class StepDeadline:
     >>> deadline.close()
     """
 
-    def __init__(self, *, timeout: float, what: str):
+    def __init__(self, *, timeout: float, what: str, on_expire=None):
         self.timeout = float(timeout)
         self.what = what
+        self._on_expire = on_expire
         self._lock = threading.Lock()
         self._calls: dict[int, float] = {}
         self._tokens = itertools.count()
@@ -81,6 +84,8 @@ class StepDeadline:
                 "collectives were aborted: a peer is stuck (alive but not reaching the same collective) or far "
                 "slower. Check the other workers' logs, or raise `timeout` if steps really take this long."
             )
+            if self._on_expire is not None:
+                self._on_expire(self.aborted)
             context.context().abort_collective_ops(errors.DEADLINE_EXCEEDED, self.aborted)
             return
 

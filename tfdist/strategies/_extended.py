@@ -22,6 +22,9 @@ defaults keep Keras' own behaviour; each strategy overrides what it changes.
 | `_tfdist_jit_compile()`           | a step of a model compiled with `jit_compile=True` | raise: no XLA         |
 | `_tfdist_auto_jit()`              | Keras' `jit_compile="auto"`                        | False                 |
 | `_tfdist_step_call_context`       | every call of a Keras train/test/predict function  | None: called as is    |
+| `_tfdist_distribute_tensor()`     | Keras' activation layout ("<layer>/output" key)    | the tensor as it is   |
+| `_tfdist_defer_variables`         | a Keras variable created in a layer's build        | False: at once        |
+| `_tfdist_place_deferred()`        | the end of that layer's build (or a read before)   | `create()`            |
 
 Outside a replica context (`in_replica()` is None) is where a custom loop without
 `strategy.run` calls the model and the optimizer (DTensor style), in the
@@ -53,6 +56,8 @@ class TfdistExtended:
     _tfdist_step_call_context = None
     # jit_compile=True: whether one replica's whole step can be one XLA cluster (on one device).
     _tfdist_compiles_replicas = False
+    # Whether the variables a layer's build creates wait for the end of the build (tfdist/_compat/deferred_variables).
+    _tfdist_defer_variables = False
 
     def _tfdist_replica_share(self):
         """This replica's examples / the global batch's while a step runs (a scalar tensor), else None.
@@ -109,6 +114,15 @@ class TfdistExtended:
         """Runs `build` (a layer's or optimizer's first build, met inside a traced step); returns its result."""
         return build()
 
+    def _tfdist_place_deferred(self, root, create) -> None:
+        """The build of layer `root` ended (or one of its variables is read): `create()` creates its variables.
+
+        Called only when `_tfdist_defer_variables` is true, for the variables of
+        `root`'s build (its own and its sublayers') that are still uninitialized.
+        """
+        del root
+        create()
+
     def _tfdist_shard_batch(self, structure):
         """Host inputs of `train_on_batch` / `test_on_batch` / `predict_on_batch`, as the step takes them."""
         return structure
@@ -133,6 +147,15 @@ class TfdistExtended:
             f"{type(self._container_strategy()).__name__} does not compile steps with XLA: model "
             f"{model.name!r} was compiled with jit_compile=True. Compile it with jit_compile=False."
         )
+
+    def _tfdist_distribute_tensor(self, tensor, layout):
+        """A layer's output for which the Keras distribution's LayoutMap has the `TensorLayout` `layout`.
+
+        Only a strategy whose tensors have layouts (DTensor) can act on it; by default the output is
+        returned as it is (a layout never changes values).
+        """
+        del layout
+        return tensor
 
     def _tfdist_auto_jit(self, model) -> bool:
         """What Keras' `jit_compile="auto"` resolves to for `model` under this strategy (Keras: False)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -20,6 +21,7 @@ from tfdist import _compat
 from tfdist import _validate
 from tfdist import cluster as cluster_lib
 from tfdist import errors
+from tfdist import flight
 from tfdist._compat import step_deadline
 from tfdist.strategies import _deadline
 from tfdist.strategies import _exact
@@ -205,6 +207,54 @@ def _bounded_join(cluster: cluster_lib.Cluster | None, join_timeout: float, who:
         watchdog.wait()
 
 
+_EXIT_BARRIER = "tfdist_exit"
+
+
+def _leave_together(cluster: cluster_lib.Cluster, heartbeat_timeout: float, who: str) -> None:
+    """Registers an exit hook that keeps this process until every worker of `cluster` is at its end too.
+
+    A collective can finish in one process while a peer is still receiving the
+    last of it from that process (ring and DTensor transfers are pulled by the
+    receiver; DTensor's eager ops also run asynchronously). A worker that
+    exits at once (worker 0 saving the model and printing its summary first,
+    say) takes its server down under a peer's last collective, and the peer
+    fails with "Collective ops is aborted ... failed to connect" at the very
+    end of a good run (tensorflow#58434). At interpreter exit each worker
+    therefore finishes its pending ops and waits at a coordination-service
+    barrier for the others, for at most 2 x `heartbeat_timeout` seconds.
+
+    Not after an uncaught exception (the process is failing: it leaves at
+    once). When a peer does not arrive in time (still working, or stopped
+    by a signal), this process says so on stderr and leaves.
+    """
+    atexit.register(_wait_for_peers_at_exit, cluster, 2 * heartbeat_timeout, who)
+
+
+def _wait_for_peers_at_exit(cluster: cluster_lib.Cluster, wait: float, who: str) -> None:
+    if getattr(sys, "last_value", None) is not None:  # set by Python for an uncaught exception
+        return
+    try:
+        context.async_wait()  # this process' own ops first: a failed one means it is failing
+    except tf.errors.OpError:
+        return
+    error = None
+    with flight.phase("barrier", "exit"):  # a failure here is no failure of the job: no flight report
+        try:
+            context.context().wait_at_barrier(_EXIT_BARRIER, int(wait * 1000))
+        except tf.errors.OpError as e:
+            error = e
+    # Unavailable: the coordination service (worker 0) is gone, after the barrier or failing; FailedPrecondition:
+    # it is in error, because a peer failed or gave up waiting first (and said so). Either way: leave quietly.
+    if error is None or isinstance(error, (tf.errors.UnavailableError, tf.errors.FailedPreconditionError)):
+        return
+    sys.stderr.write(
+        f"{who}: worker {cluster.rank} ({cluster.address}) leaves before every peer reached its end: it waited "
+        f"{wait:g}s (2 x heartbeat_timeout) at exit. A peer still receiving a collective from it may fail. "
+        f"TensorFlow: {flight.error_line(error)}\n"
+    )
+    sys.stderr.flush()
+
+
 @contextlib.contextmanager
 def _keep_sigterm_handler():
     """Puts back the process' SIGTERM handler after TensorFlow's runtime replaced it.
@@ -231,7 +281,10 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     example of the global batch weighs the same even when the batch splits
     unevenly over workers, and failures are bounded: a dead peer is detected by
     the coordination-service heartbeat, a stuck peer by the collective
-    `timeout`, and absent peers at start-up by `join_timeout`.
+    `timeout`, and absent peers at start-up by `join_timeout`. In a job of
+    several workers each keeps a flight recorder (`tfdist.flight`): when a
+    peer is lost or stuck, or `tfdist-launch` stops the job, every surviving
+    worker prints one summary of where it and the missing peers were.
 
     Construct it first thing in the program, before any TensorFlow op. The
     SIGTERM handler in place then stays in place (TensorFlow's runtime would
@@ -250,7 +303,9 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             collective timeout starts a thread per collective and exhausts
             the process' threads in long runs).
         heartbeat_timeout: seconds without a heartbeat after which a peer
-            counts as dead and every worker fails.
+            counts as dead and every worker fails. At exit each worker also
+            waits up to twice this for the others to reach their end, so that
+            none takes its server down under a peer's last collective.
         join_timeout: seconds to wait at start-up for all workers to join;
             defaults to what `tfdist-launch --join_timeout` set, else 300. A
             worker then raises RuntimeError; worker 0, which TensorFlow blocks
@@ -324,7 +379,8 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=getattr(tf.distribute.experimental.CommunicationImplementation, communication.upper()),
         )
-        with _bounded_join(cluster, join_timeout), _keep_sigterm_handler():
+        recorder = flight.start(cluster) if cluster is not None and cluster.num_workers > 1 else None
+        with _bounded_join(cluster, join_timeout), _keep_sigterm_handler(), flight.phase("barrier", "join"):
             extended = _MultiWorkerExtended(
                 self,
                 cluster_resolver=resolver,
@@ -332,10 +388,16 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                 sharding=sharding,
                 gradient_dtype=gradient_dtype,
             )
-        if timeout is not None and cluster is not None and cluster.num_workers > 1:
+        if timeout is not None and recorder is not None:
             step_deadline.set_step_deadline(
-                _deadline.StepDeadline(timeout=timeout, what=f"worker {cluster.rank} ({cluster.address})")
+                _deadline.StepDeadline(
+                    timeout=timeout,
+                    what=f"worker {cluster.rank} ({cluster.address})",
+                    on_expire=lambda _: recorder.report(f"a distributed step ran for more than timeout={timeout:g}s"),
+                )
             )
+        if recorder is not None:
+            _leave_together(cluster, heartbeat_timeout, "tfdist.MultiWorkerStrategy")
         self._gradient_dtype = gradient_dtype
         _mirrored.init_strategy(self, extended, "MultiWorkerMirroredStrategy")
 

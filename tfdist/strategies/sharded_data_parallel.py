@@ -100,6 +100,9 @@ class ShardedDataParallelStrategy(ModelParallelStrategy):
         if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
             raise _validate.invalid("min_size", min_size, "an int >= 1 (elements)")
         cluster = self._resolve_cluster(cluster)
+        rules = LayoutRules(rules if rules is not None else ())
+        if mesh is None and rules.mesh is not None:
+            mesh = dict(rules.mesh)
         if mesh is None:
             processes = cluster.num_workers if cluster is not None else 1
             mesh = {axis: multi_process.planned_local_devices(devices) * processes}
@@ -109,7 +112,6 @@ class ShardedDataParallelStrategy(ModelParallelStrategy):
                 f"The mesh {mesh!r} has no axis {axis!r} for ShardedDataParallelStrategy to split batches and "
                 f"variables over. Valid choices for `axis`: {list(mesh)}; or add {axis!r} to the mesh."
             )
-        rules = LayoutRules(rules or ())
         for rule in rules:
             if axis in rule.axes:
                 raise ValueError(

@@ -15,6 +15,7 @@ first mesh axis varies slowest, so on 2 processes x 4 devices
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -248,12 +249,20 @@ def local_devices(devices, cluster: cluster_lib.Cluster) -> list[str]:
 _WATCHDOG = r"""
 import os, select, signal, socket, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-pid, timeout, heartbeat, me, peers = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5:]
+pid, timeout, heartbeat, notice = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+me, peers = sys.argv[5], sys.argv[6:]
 fd = sys.stdin.fileno()
 depth, since = 0, None
 seen = {p: time.monotonic() for p in peers}
-def stop(message):
-    sys.stderr.write(f"tfdist.ModelParallelStrategy: {me}: {message} Ending this process.\n")
+def stop(reason, advice):
+    # The process first gets up to 2 s to print its flight-recorder summary: it answers b"r" on the pipe.
+    os.write(notice, reason.encode() + b"\n")
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end and select.select([fd], [], [], max(end - time.monotonic(), 0))[0]:
+        data = os.read(fd, 4096)
+        if not data or b"r" in data:
+            break
+    sys.stderr.write(f"tfdist.ModelParallelStrategy: {me}: {reason}{advice} Ending this process.\n")
     sys.stderr.flush()
     os.kill(pid, signal.SIGKILL)
     sys.exit(0)
@@ -263,7 +272,8 @@ while True:
         if not data:
             sys.exit(0)  # the process closed the pipe or ended
         for c in data:
-            depth += 1 if c == 98 else -1  # b"b": a distributed call begins; b"e": it ends
+            if c in b"be":
+                depth += 1 if c == 98 else -1  # b"b": a distributed call begins; b"e": it ends
         since = (since or time.monotonic()) if depth > 0 else None
     now = time.monotonic()
     for peer in peers:
@@ -276,9 +286,9 @@ while True:
             pass
         if depth > 0 and now - seen[peer] > heartbeat + 10:  # TensorFlow's own heartbeat error comes first
             stop(f"worker {index} ({address}) is lost: it has not answered for {now - seen[peer]:.0f}s "
-                 f"(heartbeat_timeout={heartbeat:g}s) while this process waits for it in a distributed step.")
+                 f"(heartbeat_timeout={heartbeat:g}s) while this process waits for it in a distributed step", ".")
     if timeout > 0 and since is not None and now - since > timeout:
-        stop(f"a distributed step has run for more than timeout={timeout:g}s; every peer still answers, so one "
+        stop(f"a distributed step has run for more than timeout={timeout:g}s", "; every peer still answers, so one "
              "of them is stuck (or the step is slower than the timeout: raise `timeout`).")
 """
 
@@ -295,26 +305,53 @@ class ProcessWatchdog:
     makes it print which worker was lost (or that a step overran) and kill this
     process, so the job ends with an error in bounded time.
 
+    Before it kills, it tells this process why (`on_stop`, e.g. the flight
+    recorder's report, runs in a thread of this process) and waits up to 2 s
+    for it.
+
     Args:
         cluster: the cluster; this process is `cluster.rank`.
         timeout: seconds a distributed call may run; None: unbounded.
         heartbeat_timeout: seconds a peer may go unanswered during a call.
+        on_stop: called with the reason (a sentence) just before the watchdog
+            kills this process, or None.
     """
 
-    def __init__(self, cluster: cluster_lib.Cluster, *, timeout: float | None, heartbeat_timeout: float):
+    def __init__(
+        self, cluster: cluster_lib.Cluster, *, timeout: float | None, heartbeat_timeout: float, on_stop=None
+    ):
         import subprocess
         import sys
+        import threading
 
         peers = [f"{i}@{a}" for i, a in enumerate(cluster.addresses) if i != cluster.rank]
         me = f"worker {cluster.rank} ({cluster.address})"
-        self._process = subprocess.Popen(
-            [sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid()), str(timeout or 0), str(heartbeat_timeout), me]
-            + peers,
-            stdin=subprocess.PIPE,
-        )
+        notice, self._notice_w = os.pipe()
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid()), str(timeout or 0), str(heartbeat_timeout),
+                 str(self._notice_w), me, *peers],
+                stdin=subprocess.PIPE,
+                pass_fds=(self._notice_w,),
+            )  # fmt: skip
+        finally:
+            os.close(self._notice_w)
         self._fd = self._process.stdin.fileno()
         self._cluster = cluster
         self._me = me
+        self._on_stop = on_stop
+        threading.Thread(target=self._hear, args=(notice,), name="tfdist-watchdog-notice", daemon=True).start()
+
+    def _hear(self, notice: int) -> None:
+        """Waits for the watchdog's notice that it is about to kill this process; answers once `on_stop` ran."""
+        with os.fdopen(notice, "rb") as pipe:
+            reason = pipe.readline().decode(errors="replace").strip()
+        if not reason:  # the watchdog ended without killing
+            return
+        if self._on_stop is not None:
+            self._on_stop(reason)
+        with contextlib.suppress(OSError):
+            os.write(self._fd, b"r")
 
     def running(self):
         """A context manager around one distributed call; a peer's failure in it is re-raised naming the peer."""

@@ -17,10 +17,13 @@ from tensorflow.python.util import nest
 
 from tfdist import errors
 from tfdist._compat import dtensor as compat_dtensor
+from tfdist._compat import keras_distribution as keras_distribution_hooks
 from tfdist._compat import step_deadline
 from tfdist._compat import variables as keras_variables
 from tfdist.placement import mesh as mesh_lib
 from tfdist.placement import report as report_lib
+from tfdist.placement import roles as roles_lib
+from tfdist.placement import rules as rules_lib
 from tfdist.strategies import _extended
 from tfdist.strategies import multi_worker
 from tfdist.strategies.model_parallel.variables import GatheredVariable
@@ -91,30 +94,53 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
             self._batch_rows = (0, parts, parts)
         self._calls = threading.local()  # .depth: model calls in progress on this thread
         self._rules_checked = weakref.WeakSet()  # models whose unmatched rules were reported
+        # Role rules (tfdist.layouts.auto()): a layer's build creates its variables once the block is built.
+        self._roles = roles_lib.RoleFinder() if roles_lib.uses_roles(rules) else None
 
     # ------------------------------------------------------------------ variables
-    def plan(self, path, shape, *, trainable=True):
-        """Where a model variable goes: `(stored spec, compute spec or None, slot spec or None, note)`.
+    @property
+    def _tfdist_defer_variables(self) -> bool:
+        return self._roles is not None
 
-        The stored spec is the rules' spec, plus the data axis on one dimension
-        under sharded data parallelism with shard="weights"; the compute spec
-        (None: as stored) is the layout reads take in a step; the slot spec
-        (None: as stored) is where its optimizer slots go (shard="optimizer").
+    def _tfdist_place_deferred(self, root, create) -> None:
+        self._roles.find(root)
+        with self._own_scope():
+            create()
+
+    def plan(self, path, shape, *, trainable=True, role=None):
+        """Where a model variable goes: `(stored spec, compute spec or None, slot spec or None, note, chosen by)`.
+
+        The stored spec is the rules' spec (a path rule's, else the role's,
+        `roles_lib.Role`), plus the data axis on one dimension under sharded
+        data parallelism with shard="weights"; the compute spec (None: as
+        stored) is the layout reads take in a step; the slot spec (None: as
+        stored) is where its optimizer slots go (shard="optimizer"). "Chosen
+        by" names the rule or role that decided the spec ("" for none).
         """
         spec, rule = self.rules.resolve(path, shape, self._axes)
+        notes, chosen_by = [], f"rule {rule}" if rule is not None else ""
+        if rule is None and role is not None:
+            spec, rule, note = roles_lib.resolve(self.rules, role, shape, self._axes)
+            notes, chosen_by = [note] if note else [], role.description if rule is not None else ""
         compute = (None,) * len(shape) if rule is not None and rule.gather else None
-        auto, slot, note = self.auto_shard, None, ""
+        if compute is None and self.batch_axis is not None and self.batch_axis in spec:
+            # Split over the batch axis too (FSDP-style, as KerasHub's layout maps split weights over the data
+            # axis): stored so, gathered over that axis for each use. DTensor computes no matmul whose operands
+            # split the contracting dimension over different axes (the batch's and the weight's).
+            compute = tuple(None if a == self.batch_axis else a for a in spec)
+        auto, slot = self.auto_shard, None
         if auto is None:
-            return spec, compute, None, note
+            return spec, compute, None, "; ".join(notes), chosen_by
         self._check_auto_rule(path, rule)
         if not trainable and len(shape):
-            return spec, compute, None, f"replicated over {auto.axis!r}: not trainable (as FSDP leaves buffers)"
+            notes.append(f"replicated over {auto.axis!r}: not trainable (as FSDP leaves buffers)")
+            return spec, compute, None, "; ".join(notes), chosen_by
         split, note = auto.extend(spec, shape)
         if split != spec and auto.mode == "weights":
             compute, spec = compute or spec, split
         elif split != spec:
             slot, note = split, f"weight whole over {auto.axis!r}; optimizer slots {note}"
-        return spec, compute, slot, note
+        return spec, compute, slot, "; ".join([*notes, note]), chosen_by
 
     def _create_variable(self, next_creator, **kwargs):
         colocate_with = kwargs.pop("colocate_with", None)
@@ -128,12 +154,13 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
             if dtensor.is_dtensor(init):
                 init = gather(init)
             shape = tuple(init.shape)
-            note, compute, slot = "", None, None
+            note, compute, slot, role, chosen_by = "", None, None, None, ""
             if isinstance(colocate_with, dtensor.DVariable) and tuple(colocate_with.shape) == shape:
                 # An optimizer slot follows its variable (ZeRO-1: split as planned for the variable's slots). A
                 # gradient accumulator stays in its variable's layout: Keras adds it to the (whole) gradient.
                 layout = colocate_with.layout
                 note = getattr(colocate_with, "_tfdist_note", "")
+                chosen_by = getattr(colocate_with, "_tfdist_chosen_by", "")
                 if not str(kwargs.get("name") or "").endswith(ACCUMULATOR_SUFFIX):
                     layout = getattr(colocate_with, "_tfdist_slot_layout", None) or layout
                 elif getattr(colocate_with, "_tfdist_slot_layout", None) is not None:
@@ -142,7 +169,11 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
                 layout = replicated(self.mesh, len(shape))
             else:
                 path = keras_variables.variable_path(kwargs.get("name") or "variable")
-                spec, compute, slot, note = self.plan(path, shape, trainable=kwargs.get("trainable", True))
+                if self._roles is not None:
+                    role = self._roles.role_of(keras_variables.creating_variable())
+                spec, compute, slot, note, chosen_by = self.plan(
+                    path, shape, trainable=kwargs.get("trainable", True), role=role
+                )
                 layout = layout_of(spec, self.mesh)
             if compute is not None:
                 compute = layout_of(compute, self.mesh)
@@ -150,6 +181,8 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
             else:
                 variable = ShardedVariable(shard_value(init, layout), **kwargs)
             variable._tfdist_note = note
+            variable._tfdist_role = role
+            variable._tfdist_chosen_by = chosen_by
             if slot is not None:
                 variable._tfdist_slot_layout = layout_of(slot, self.mesh)
             variable._tfdist_relayout_assign = self.auto_shard is not None
@@ -273,7 +306,7 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         local = tf.reshape(row, [1] * len(sizes) + [row.shape[1]])
         layout = dtensor.Layout(list(self._axes) + [dtensor.UNSHARDED], self.mesh)
         packed = dtensor.pack([local] * self.mesh.num_local_devices(), layout)
-        with step_deadline.timed():
+        with step_deadline.timed("all-gather rows"):
             whole = dtensor.unpack(dtensor.relayout(packed, replicated(self.mesh, len(sizes) + 1)))[0]
         rows = tf.reshape(whole, [-1, row.shape[1]]).numpy()  # one row per device, by global device id
         return rows[:: self.mesh.num_local_devices()]
@@ -348,9 +381,62 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
             self._warn_unmatched_rules_once(model)
         return self._readable(outputs) if host else outputs
 
+    def _tfdist_distribute_tensor(self, tensor, layout):
+        # A Keras LayoutMap's "<layer>/output" key, met while a model created under this strategy runs (its
+        # tensors are DTensors): a DTensor relayout to that layout, on this mesh. A dimension whose size is
+        # unknown when traced, or that its mesh axis does not divide (a batch the batch axis does not divide
+        # is computed whole on every device), keeps the layout DTensor gave it (MATCH). Elsewhere (Keras'
+        # symbolic build, a model of no strategy) the tensor is returned as it is.
+        if not getattr(self._calls, "depth", 0):
+            return tensor
+        return nest.map_structure(lambda value: self._relayout_activation(value, layout), tensor)
+
+    def _relayout_activation(self, value, layout):
+        if not isinstance(value, tf.Tensor) or (tf.executing_eagerly() and not dtensor.is_dtensor(value)):
+            return value
+        key = keras_distribution_hooks.layer_output_path()
+        axes = tuple(layout.axes)
+        keras_mesh = getattr(layout, "device_mesh", None)
+        if keras_mesh is not None and rules_lib.device_mesh_axes(keras_mesh) != self._axes:
+            raise ValueError(
+                f"The activation layout of {key!r} (LayoutMap key) is on the mesh "
+                f"{rules_lib.device_mesh_axes(keras_mesh)!r}, but the model runs under a ModelParallelStrategy "
+                f"on the mesh {self._axes!r}. Give the LayoutMap the strategy's DeviceMesh."
+            )
+        if value.shape.rank != len(axes):
+            raise ValueError(
+                f"The activation layout of {key!r} (LayoutMap key) has {len(axes)} entries {axes!r}, but the "
+                f"layer's output has shape {tuple(value.shape)} (rank {value.shape.rank}). Give one entry per "
+                "dimension (None keeps a dimension whole)."
+            )
+        specs = []
+        for axis, size in zip(axes, value.shape):
+            if axis is None:
+                specs.append(dtensor.UNSHARDED)
+            elif axis not in self._axes:
+                raise ValueError(
+                    f"The activation layout of {key!r} (LayoutMap key) names mesh axis {axis!r}, which the mesh "
+                    f"{self._axes!r} does not have. Valid axes: {list(self._axes)} or None."
+                )
+            elif size is None or size % self._axes[axis]:
+                specs.append(dtensor.MATCH)
+            else:
+                specs.append(axis)
+        return dtensor.relayout(value, dtensor.Layout(specs, self.mesh))
+
     def unmatched_rules(self, model):
-        """`(rule, similar paths)` for each layout rule that matched no weight of `model`."""
-        return self.rules.unmatched(w.path for w in model.weights)
+        """`(rule, similar paths)` for each layout rule that matched no weight of `model`.
+
+        Role rules count as one: all of them are listed (with no similar paths)
+        only when they found no role in the model at all.
+        """
+        unmatched = self.rules.unmatched(w.path for w in model.weights)
+        if self._roles is not None:
+            role_rules = [rule for rule in self.rules if isinstance(rule, roles_lib.RoleRule)]
+            found = [getattr(getattr(w, "value", w), "_tfdist_role", None) for w in model.weights]
+            if not {role.kind for role in found if role is not None} & {rule.role for rule in role_rules}:
+                unmatched += [(rule, []) for rule in role_rules]
+        return unmatched
 
     def _warn_unmatched_rules_once(self, model) -> None:
         if model in self._rules_checked:

@@ -14,6 +14,7 @@ from tensorflow.python.distribute import distribute_lib
 from tfdist import _compat
 from tfdist import _validate
 from tfdist import cluster as cluster_lib
+from tfdist import flight
 from tfdist._compat import step_deadline
 from tfdist.placement import mesh as mesh_lib
 from tfdist.placement.report import PlacementReport
@@ -59,6 +60,10 @@ class ModelParallelStrategy(distribute_lib.Strategy):
     first (and only) layout rule matching its Keras path; unmatched weights and
     scalars are replicated; optimizer slots follow their weight. The batch is
     split over `batch_axis` (data parallelism over the model-parallel groups).
+    A weight a rule splits over `batch_axis` too (FSDP-style, as KerasHub's
+    layout maps split weights over the data axis) is stored so and gathered
+    over that axis for each use (DTensor computes no matmul whose operands
+    split the contracting dimension over different axes).
 
     The model runs as one global program: losses, gradients and metrics are
     those of the global batch, as on one device, and `num_replicas_in_sync` is 1.
@@ -108,11 +113,17 @@ class ModelParallelStrategy(distribute_lib.Strategy):
 
     Args:
         mesh: mesh axis name -> size; the product must equal the number of
-            devices. Default `{"batch": 2, "model": 4}`. `{"model": 8}` is pure
+            devices. Default: the mesh of `rules` when it is a
+            `keras.distribution.LayoutMap`, else `{"batch": 2, "model": 4}`. `{"model": 8}` is pure
             model parallelism, `{"batch": 8}` pure data parallelism.
         rules: layout rules, e.g. `tfdist.layouts.transformer()`: a
-            `tfdist.layouts.LayoutRules` or a list of `(regex, spec)` pairs.
-            None means every weight is replicated.
+            `tfdist.layouts.LayoutRules`, a list of `(regex, spec)` pairs, or a
+            `keras.distribution.LayoutMap` (such as KerasHub's
+            `GemmaBackbone.get_layout_map(device_mesh)`; its keys keep Keras'
+            matching, see `tfdist.layouts.LayoutRules`). None means every weight
+            is replicated. Keras' own `set_distribution(ModelParallel(...))`
+            builds this strategy from its LayoutMap after
+            `tfdist.use_keras_distribution()`.
         devices: device names; defaults to all GPUs, else all logical CPUs.
         batch_axis: the mesh axis that splits each batch. When the mesh has no
             axis of this name (e.g. `{"model": 8}` with the default "batch"),
@@ -124,7 +135,9 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             gather of a split weight) may run before the process is ended;
             None: no bound.
         heartbeat_timeout: across processes, seconds without a heartbeat after
-            which a peer counts as lost.
+            which a peer counts as lost. At exit each process also waits up
+            to twice this for the others to reach their end, so that none
+            takes its server down under a peer's last collective.
         join_timeout: across processes, seconds to wait at start-up for all
             of them; defaults to what `tfdist-launch --join_timeout` set, else
             300.
@@ -137,7 +150,8 @@ class ModelParallelStrategy(distribute_lib.Strategy):
 
     Raises:
         ValueError: for a bad mesh, a mesh whose size differs from the device
-            count (of all processes), a mesh in which a process' devices do
+            count (of all processes), a LayoutMap whose DeviceMesh differs from
+            `mesh`, a mesh in which a process' devices do
             not fill whole rows, a rule naming an axis the mesh lacks or a layer's output
             (an activation layout such as "d2/output": rules place weights;
             activations follow them and the batch axis), or a `batch_axis`
@@ -177,7 +191,7 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         sharding: str = "auto",
     ):
         self._start(
-            mesh={"batch": 2, "model": 4} if mesh is None else mesh,
+            mesh=mesh,
             rules=rules,
             devices=devices,
             batch_axis=batch_axis,
@@ -210,8 +224,15 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             join_timeout = cluster_lib.join_timeout() or multi_worker.DEFAULT_JOIN_TIMEOUT
         join_timeout = _validate.positive_number("join_timeout", join_timeout, unit="seconds")
         cluster = self._resolve_cluster(cluster)
+        rules = LayoutRules(rules if rules is not None else ())
+        if mesh is None:
+            mesh = dict(rules.mesh) if rules.mesh is not None else {"batch": 2, "model": 4}
         axes = mesh_lib.validate_axes(mesh)
-        rules = LayoutRules(rules or ())
+        if rules.mesh is not None and dict(rules.mesh) != dict(axes):
+            raise ValueError(
+                f"The LayoutMap's DeviceMesh {rules.mesh!r} (axis name -> size) differs from the strategy's mesh "
+                f"{dict(axes)!r}. Give the strategy the same mesh, or mesh=None to take the LayoutMap's."
+            )
         rules.check_axes(axes)
         if batch_axis is not None:
             if not isinstance(batch_axis, str):
@@ -232,7 +253,8 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             device_type = "GPU" if devices is None and tf.config.list_physical_devices("GPU") else "CPU"
             multi_process.check_environment(cluster)
             multi_process.check_mesh(axes, multi_process.planned_local_devices(devices), cluster)
-            with multi_worker._keep_sigterm_handler():
+            recorder = flight.start(cluster)
+            with multi_worker._keep_sigterm_handler(), flight.phase("barrier", "join"):
                 multi_process.initialize(
                     cluster,
                     heartbeat_timeout=heartbeat_timeout,
@@ -243,9 +265,10 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             dmesh = multi_process.make_mesh(axes, multi_process.local_devices(devices, cluster), cluster)
             _compat.install("model_parallel")
             self._watchdog = multi_process.ProcessWatchdog(
-                cluster, timeout=timeout, heartbeat_timeout=heartbeat_timeout
+                cluster, timeout=timeout, heartbeat_timeout=heartbeat_timeout, on_stop=recorder.report
             )
             step_deadline.set_step_deadline(self._watchdog, every_function=True)
+            multi_worker._leave_together(cluster, heartbeat_timeout, multi_process.WHO)
         super().__init__(
             ModelParallelExtended(
                 self,
@@ -306,9 +329,10 @@ class ModelParallelStrategy(distribute_lib.Strategy):
 
         Returns:
             A `PlacementReport`: per variable path, shape, spec, bytes in all
-            and on each device; totals per device; rules that matched nothing
-            and variables whose layout differs from what their rule gives
-            (both also issued as a warning).
+            and on each device, and the rule or role that chose its layout;
+            totals per device; rules that matched nothing and variables whose
+            layout differs from what their rule gives (both also issued as a
+            warning).
 
         Raises:
             ValueError: if a variable of `model` was not created under this
@@ -337,16 +361,21 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             split = math.prod(axes[a] for a in spec if a is not None)
             gathered = isinstance(backing, GatheredVariable)
             note = getattr(backing, "_tfdist_note", "")
+            chosen_by = getattr(backing, "_tfdist_chosen_by", "")
             rows.append(
-                VariablePlacement(v.path, shape, backing.dtype.name, spec, total, total // split, gathered, note)
+                VariablePlacement(
+                    v.path, shape, backing.dtype.name, spec, total, total // split, gathered, note, chosen_by
+                )
             )
         per_device = sum(r.bytes_per_device for r in rows)
         by_path = {r.path: r for r in rows}
         misplaced = []
         for w in model.weights:
             # Placed as trainable or not when created (a layer frozen later keeps its variables where they are).
-            created_trainable = getattr(getattr(w, "value", w), "trainable", w.trainable)
-            expected = self.extended.plan(w.path, by_path[w.path].shape, trainable=created_trainable)[0]
+            backing = getattr(w, "value", w)
+            created_trainable = getattr(backing, "trainable", w.trainable)
+            role = getattr(backing, "_tfdist_role", None)
+            expected = self.extended.plan(w.path, by_path[w.path].shape, trainable=created_trainable, role=role)[0]
             if expected != by_path[w.path].spec:
                 misplaced.append((w.path, expected, by_path[w.path].spec))
         report = PlacementReport(

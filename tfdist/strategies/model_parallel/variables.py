@@ -52,7 +52,7 @@ def gather(value):
     """A DTensor as one host tensor (all shards joined)."""
     layout = dtensor.fetch_layout(value)
     if not layout.is_fully_replicated():
-        with step_deadline.timed():  # across processes, a collective: bounded like a step
+        with step_deadline.timed("gather variable"):  # across processes, a collective: bounded like a step
             value = dtensor.relayout(value, replicated(layout.mesh, layout.rank))
     return dtensor.unpack(value)[0]
 

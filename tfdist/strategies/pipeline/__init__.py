@@ -14,8 +14,10 @@ Read it top to bottom:
 * `microbatches.py`: splitting a replica's batch into micro-batches and summing
   their gradients.
 
-The plan and its costs (`balance`, `even_split`, `partition`, `layer_flops`,
-`layer_seconds`, `PipelinePlan`, `plan_explicit`) are `tfdist.placement.pipeline`.
+The layer calls a plan cuts (`stage_units`: nested functional models opened),
+the plan and its costs (`balance`, `even_split`, `partition`, `layer_flops`,
+`layer_seconds`, `PipelinePlan`, `SharedWeights`, `plan_explicit`) are
+`tfdist.placement.pipeline`.
 
 Example:
 

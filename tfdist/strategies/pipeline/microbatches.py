@@ -38,12 +38,25 @@ def split(data, m: int, count: int, n, static):
     return nest.map_structure(take, data), size, tf.equal(size, 0)
 
 
+def _device(g) -> str:
+    return (g.values if isinstance(g, tf.IndexedSlices) else g).device
+
+
 def add(a, b):
-    """The sum of two gradients (None for no gradient); two IndexedSlices stay sparse."""
+    """The sum of two gradients (None for no gradient); two IndexedSlices stay sparse.
+
+    The sum is computed on `a`'s device: a stage's micro-batch gradients add up where they were
+    computed, and only their sum goes to the optimizer's update.
+    """
     if a is None:
         return b
     if b is None:
         return a
+    with tf.device(_device(a)):
+        return _add(a, b)
+
+
+def _add(a, b):
     if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
         # Stay sparse: optimizers update only the rows a sparse gradient touches (Keras' Adam does),
         # so a densified sum would train differently from one device's whole-batch gradient.

@@ -8,8 +8,11 @@ one replica per stage-0 device) plus:
   0 and moved, with its optimizer slots, when the first step is traced
   (`_prepare` -> `_place_weights`);
 * the plan: `tfdist.placement.pipeline.plan_explicit` or `balance`, once per model;
+* the calls: `tfdist.placement.pipeline.stage_units`, the layer calls of the
+  model's graph with nested functional models (a backbone) opened, recursively;
+  calls sharing weights (a tied embedding) all run on the stage holding them;
 * steps (`_call_for_each_replica`): each replica's Keras step runs with its
-  layers on their stages' devices (`tfdist._compat.layer_call.stage_devices`,
+  layer calls on their stages' devices (`tfdist._compat.layer_call.stage_devices`,
   the one hook call) over `microbatches` micro-batches, each weighted by its
   share of the global batch (`_run_microbatches`); the optimizer hook asks
   `_tfdist_accumulate_microbatch`, which sums the micro-batch gradients and
@@ -84,7 +87,7 @@ class PipelineExtended(_mirrored.MirroredExtended):
         self._cost = cost
         self._plan = None
         self._model_id = None
-        self._layer_devices = None  # per replica: {id(layer): device}
+        self._layer_devices = None  # per replica: {Unit.key (a call's node, or its layer): device}
         self._placing = threading.local()
         # id(optimizer slot tf.Variable) -> weak reference to the variable it was colocated with
         self._colocated = {}
@@ -120,11 +123,14 @@ class PipelineExtended(_mirrored.MirroredExtended):
         return old, new
 
     def _place_weights(self, model, plan, units):
-        """Puts every weight of each stage's layers (and their optimizer slots) on the stage's devices."""
+        """Puts every weight of each stage's calls (and their optimizer slots) on the stage's devices.
+
+        A weight several calls use is on the one stage that runs them all (`PipelinePlan.shared`).
+        """
         moved = {}  # id(old tf.Variable) -> (old, new); holds the old ones until their slots follow
-        for layer in units:
-            devices = tuple(self._grid[plan.stage_of(layer.name)])
-            for weight in layer.weights:
+        for unit in units:
+            devices = tuple(self._grid[plan.stage_of(unit.name)])
+            for weight in unit.layer.weights:
                 if _var_devices(weight.value) != devices and id(weight.value) not in moved:
                     old, new = self._recreate(weight, devices)
                     moved[id(old)] = (old, new)
@@ -153,8 +159,7 @@ class PipelineExtended(_mirrored.MirroredExtended):
         with tf.init_scope():
             self._place_weights(model, plan, units)
         self._layer_devices = [
-            {id(layer): self._grid[plan.stage_of(layer.name)][r] for layer in units}
-            for r in range(len(self._grid[0]))
+            {unit.key: self._grid[plan.stage_of(unit.name)][r] for unit in units} for r in range(len(self._grid[0]))
         ]
         self._plan = plan
         self._model_id = id(model)

@@ -35,8 +35,13 @@ _LOG_FILTER = _DropMessage("is not supported if destinations are different")
 class PipelineStrategy(tf.distribute.MirroredStrategy):
     """Pipeline parallelism: each stage of consecutive layers on its own device, micro-batched.
 
-    The model's top-level layers are split into `stages` contiguous stages
-    (by explicit rules, or by a balancer). A stage's weights, their optimizer
+    The model's layer calls are split into `stages` contiguous stages (by
+    explicit rules, or by a balancer). A functional model used as a layer (a
+    KerasHub backbone, a nested `keras.Model` or `Sequential`) is opened: its
+    own layers are cut, recursively, so a `GPT2CausalLM` (top level: the
+    backbone and the output projection) is split between its transformer
+    layers (`tfdist.placement.pipeline.stage_units` names each call by its
+    path, "gpt2_backbone/transformer_layer_0"). A stage's weights, their optimizer
     slots and its forward and backward computation live on the stage's device;
     activations cross from stage to stage inside one traced step, where
     TensorFlow inserts the transfers. Each global batch is split into
@@ -58,23 +63,48 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
     sees `1 / replicas` of each global batch, and the stages' gradients are
     all-reduced across replicas as in `DataParallelStrategy`.
 
+    Weights used on two stages (GPT-2's token embedding, which is also its
+    output projection) live on one of them: the latest, and every call using
+    them runs there (the embedding lookup on the last stage). TensorFlow then
+    moves that call's inputs and outputs, not the weights: per step and
+    replica, the token ids there (B*T*4 bytes for B sequences of T tokens),
+    their embeddings back (B*T*H*4 for width H) and the embeddings' gradient
+    there again (B*T*H*4), whatever the number of micro-batches. There is one
+    variable and one optimizer state, its gradients from both uses sum where
+    it lives, exactly as on one device, and `model.save` writes it once. The
+    moved call's computation is that stage's too (for GPT-2 a gather; the
+    balancer charges it there).
+    Megatron's alternative, a copy on each stage whose gradients are
+    all-reduced, moves 2*V*H*4 bytes (V the vocabulary) per step and holds the
+    weight and its optimizer slots twice; at GPT-2's V=50257 it moves more
+    whenever B*T < V. `strategy.plan.shared` and `plan.report()` say which
+    weights are shared and which calls moved.
+
     Works with `model.fit` / `evaluate` / `predict`, callbacks and
     `model.save` (a saved model loads on one device). The model must be a
     built Sequential or functional model (give it a `keras.Input`). With
     `placement="auto"` the weights are created on stage 0's devices and moved
     to their stages when the first step is traced; explicit rules place each
-    weight where it belongs as it is created.
+    weight of a top-level layer where it belongs as it is created (those of
+    layers inside nested models, whose paths lack the model's name, are moved
+    as with "auto").
 
     Args:
         stages: the number of pipeline stages (devices per replica).
         microbatches: micro-batches per replica batch; a global batch must be
             a multiple of `microbatches * replicas` (a smaller final batch is
             split as evenly as it goes, exactly).
-        placement: "auto" (the balancer splits the layers into `stages` runs
-            minimizing the largest stage cost) or a dict mapping a regex that
-            fully matches top-level layer names to a stage, e.g.
-            `{"dense_[0-2]": 0, "dense_[3-5]": 1}`. Layers without weights
-            that match no rule join the latest stage among their inputs.
+        placement: "auto" (the balancer splits the layer calls into
+            `stages` runs minimizing the largest stage cost) or a dict mapping
+            a regex to a stage, e.g. `{"dense_[0-2]": 0, "dense_[3-5]": 1}`.
+            A rule fully matches a call's path: the names of the models it is
+            nested in and its layer's, "/"-joined
+            (`"gpt2_backbone/transformer_layer_[0-5]"`); a rule naming a nested
+            model places every call inside it unless a rule names the call;
+            ":k" names a layer's k-th further call in one graph. Layers
+            without weights that match no rule join the latest stage among
+            their inputs. A rule matching nothing is an error listing the
+            valid names.
         cost: what "auto" balances: "params", "flops" or "time" (see
             `tfdist.placement.pipeline.balance`).
         replicas: copies of the pipeline trained data-parallel.
@@ -87,8 +117,8 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
         ValueError: invalid arguments (each message names the argument and
             the valid choices), too few devices. Errors about the model
             (more stages than layers, rules matching nothing or leaving a
-            layer without a stage, stages against the data flow, weights
-            shared across stages) are raised when the first step is traced.
+            layer without a stage, stages against the data flow) are raised
+            when the first step is traced.
 
     Example:
 
@@ -121,7 +151,7 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
             raise _validate.invalid(
                 "placement",
                 placement,
-                "'auto' or a dict mapping a layer-name regex to a stage, e.g. {'dense_[0-2]': 0, 'dense_[3-5]': 1}",
+                "'auto' or a dict mapping a layer-path regex to a stage, e.g. {'dense_[0-2]': 0, 'dense_[3-5]': 1}",
             )
         rules = None if isinstance(placement, str) else pipeline_lib.StageRules(placement, stages)
         needed = stages * replicas
