@@ -3,6 +3,7 @@
 
     python3 dev.py train [tfdist-train flags]   # the default training job
     python3 dev.py test [pytest arguments]      # ruff, then the whole test suite
+    python3 dev.py conformance [arguments]      # KerasHub families x strategies -> CONFORMANCE.md (by hand)
 
 Needs only Python 3.10+ with venv. The first run installs tfdist and its pinned
 dependencies (a few minutes); later runs reuse .venv until setup.cfg changes.
@@ -46,7 +47,7 @@ def ensure_venv(extra: str | None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("train", "test"):
+    if not argv or argv[0] not in ("train", "test", "conformance"):
         print(__doc__.strip(), file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
@@ -55,7 +56,9 @@ def main(argv: list[str]) -> int:
         ensure_venv(None)
         return subprocess.run([PYTHON, "-m", "tfdist.train", *rest], cwd=ROOT, env=env).returncode
     ensure_venv("test")
-    lint_paths = ["tfdist", "tests", "benchmarks", "examples", "dev.py"]
+    if command == "conformance":  # KerasHub comes with the test extra
+        return subprocess.run([PYTHON, "-m", "conformance", *rest], cwd=ROOT, env=env).returncode
+    lint_paths = ["tfdist", "tests", "benchmarks", "conformance", "examples", "dev.py"]
     lint = subprocess.run([PYTHON, "-m", "ruff", "check", *lint_paths], cwd=ROOT)
     if lint.returncode:
         print("ruff found problems (above).", file=sys.stderr)

@@ -33,6 +33,7 @@ from tensorflow.experimental import dtensor  # noqa: E402
 
 from tfdist import layouts  # noqa: E402
 from tfdist._compat import variables as keras_variables  # noqa: E402
+from tfdist.placement import attributes  # noqa: E402
 from tfdist.strategies import model_parallel  # noqa: E402
 from tfdist.strategies.model_parallel import ModelParallelStrategy  # noqa: E402
 
@@ -251,16 +252,18 @@ def scenario_subclassed():
     RESULT["unmatched"] = [str(rule) for rule, _ in report.unmatched_rules]
     RESULT["misplaced"] = [list(m) for m in report.misplaced]
 
-    # With Keras' name scope as the only source of paths (the hook's answer hidden), the rules
-    # would silently miss every variable of a model built later; the report says so.
+    # With Keras' name scope as the only source of paths (the hook's answer and the attribute paths, which
+    # the rules would match too, hidden), the rules would silently miss every variable of a model built
+    # later; the report says so.
     with strategy.scope():
         late = subclassed_block()
-    real = keras_variables.creating_variable_path
+    real, real_attribute = keras_variables.creating_variable_path, attributes.path_at_creation
     keras_variables.creating_variable_path = lambda: None
+    attributes.path_at_creation = lambda variable, rules: None
     try:
         late.predict(x[:16], verbose=0)
     finally:
-        keras_variables.creating_variable_path = real
+        keras_variables.creating_variable_path, attributes.path_at_creation = real, real_attribute
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         late_report = strategy.placement_report(late, print_fn=None)

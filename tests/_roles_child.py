@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import tfdist
 
@@ -263,10 +264,171 @@ def build_cases():
     }
 
 
+def mixtral(num_layers=2):
+    backbone = keras_hub.models.MixtralBackbone(
+        vocabulary_size=VOCAB, num_layers=num_layers, hidden_dim=16, intermediate_dim=32, num_query_heads=4,
+        num_key_value_heads=2, num_experts=4, top_k=2,
+    )
+    return keras_hub.models.MixtralCausalLM(backbone=backbone, preprocessor=None)
+
+
+def sgd_fit(model, x, y, batch_size=BATCH):
+    return model.fit(x, y, batch_size=batch_size, epochs=EPOCHS, shuffle=False, verbose=0).history["loss"]
+
+
+def expert_cases():
+    """Mixtral's experts under auto(): placed on {batch: 2, model: 4}; trained on {batch: 1, model: 4} vs one device."""
+    started = time.monotonic()
+    strategy = tfdist.ModelParallelStrategy(mesh=MESH, rules=layouts.auto())
+    with strategy.scope():
+        keras.utils.set_random_seed(5)
+        model = mixtral()
+    report = strategy.placement_report(model, print_fn=None)
+    experts = [w for w in model.weights if len(w.shape) == 3 and "experts" in w.path]
+    sharded = sum(v.bytes_total for v in report.variables if any(v.spec))
+    RESULT["mixtral_placed"] = {
+        "experts": {w.path: [list(w.shape), list(dtensor.unpack(w.value.read_value())[0].shape)] for w in experts},
+        "layouts": layouts_of(model),
+        "chosen_by": {v.path: v.chosen_by for v in report.variables},
+        "unmatched": [str(rule) for rule, _ in report.unmatched_rules],
+        "bytes_sharded": sharded,
+        "bytes_replicated": report.bytes_total - sharded,
+        "bytes_device": device_bytes(model.weights),
+        "report_bytes_device": sorted(set(report.bytes_per_device.values())),
+        "table": report.table(),
+    }
+    x, y = data("llama")
+    keras.utils.set_random_seed(5)
+    ref = mixtral()
+    ref.compile(optimizer=keras.optimizers.SGD(0.5), loss=lm_loss(), weighted_metrics=[])
+    initial = ref.get_weights()
+    ref_loss = sgd_fit(ref, x, y)
+    strategy = tfdist.ModelParallelStrategy(
+        mesh={"batch": 1, "model": 4}, devices=[f"CPU:{i}" for i in range(4)], rules=layouts.auto()
+    )
+    with strategy.scope():
+        model = mixtral()
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=lm_loss(), weighted_metrics=[])
+    model.set_weights(initial)
+    RESULT["mixtral_trained"] = {
+        "ref_loss": ref_loss,
+        "loss": sgd_fit(model, x, y),
+        "weights_diff": max_diff(model.get_weights(), ref.get_weights()),
+        "moved": max_diff(ref.get_weights(), initial),
+        "expert_layouts": {p: s for p, s in layouts_of(model).items() if "experts/" in p},
+        "seconds": time.monotonic() - started,
+    }
+
+
+class SubclassedModel(keras.Model):
+    """TensorFlow's DTensor Keras tutorial's subclassed model (`feature`, `feature_2`), as written there.
+
+    `rate=0.0` where training is compared with one device (dropout draws other numbers under a strategy).
+    """
+
+    def __init__(self, name=None, rate=0.1):
+        super().__init__(name=name)
+        self.feature = keras.layers.Dense(16)
+        self.feature_2 = keras.layers.Dense(24)
+        self.dropout = keras.layers.Dropout(rate)
+
+    def call(self, inputs, training=None):
+        x = self.feature(inputs)
+        x = self.dropout(x, training=training)
+        return self.feature_2(x)
+
+
+def tutorial_layout_map():
+    """The tutorial's LayoutMap keys on a Keras DeviceMesh {batch: 4, model: 2}."""
+    mesh = keras.distribution.DeviceMesh((4, 2), ["batch", "model"], devices=[f"cpu:{i}" for i in range(8)])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["feature.*kernel"] = keras.distribution.TensorLayout(("batch", None), mesh)
+    layout_map["feature.*bias"] = keras.distribution.TensorLayout(("batch",), mesh)
+    return layout_map
+
+
+def caught(fn):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        value = fn()
+    return value, [str(w.message) for w in seen if "layout rules" in str(w.message) or "placement" in str(w.message)]
+
+
+def attribute_path_cases():
+    """The tutorial's subclassed model under its LayoutMap: placed by attribute path, trained as on one device."""
+    started = time.monotonic()
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(16, 16)).astype("float32"), rng.normal(size=(16, 24)).astype("float32")
+
+    def train(model):
+        return model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
+
+    keras.utils.set_random_seed(6)
+    ref = SubclassedModel(rate=0.0)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref(x[:1])
+    initial = ref.get_weights()
+    ref_loss = train(ref)
+    strategy = tfdist.ModelParallelStrategy(rules=tutorial_layout_map())
+    with strategy.scope():
+        model = SubclassedModel(rate=0.0)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    _, built_warnings = caught(lambda: model(np.zeros((16, 16), "float32")))  # the tutorial's call, then training
+    model.set_weights(initial)
+    loss = train(model)
+    report, report_warnings = caught(lambda: strategy.placement_report(model, print_fn=None))
+    RESULT["tutorial"] = {
+        "ref_loss": ref_loss,
+        "loss": loss,
+        "weights_diff": max_diff(model.get_weights(), ref.get_weights()),
+        "layouts": layouts_of(model),
+        "chosen_by": {v.path: v.chosen_by for v in report.variables if v.path.startswith(model.name)},
+        "warnings": built_warnings + report_warnings,
+        "table": report.table(),
+    }
+    # A rule matching neither path is still reported, with the attribute paths among the near misses.
+    strategy = tfdist.ModelParallelStrategy(mesh=MESH, rules=[(r"^featur/kernel$", (None, "model"))])
+    with strategy.scope():
+        model = SubclassedModel()
+    _, missed = caught(lambda: model(np.zeros((8, 16), "float32")))
+    RESULT["tutorial_typo_warnings"] = missed
+    RESULT["tutorial_seconds"] = time.monotonic() - started
+
+
+def keras_distribution_case():
+    """The tutorial's cells through Keras' own API (`tfdist.use_keras_distribution()` + ModelParallel); last."""
+    tfdist.use_keras_distribution()
+    distribution = keras.distribution.ModelParallel(layout_map=tutorial_layout_map(), batch_dim_name="batch")
+    with distribution.scope():
+        model = SubclassedModel()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(np.ones((16, 16), "float32"), np.ones((16, 24), "float32"), batch_size=16, verbose=0)
+    RESULT["tutorial_keras_distribution"] = layouts_of(model)
+
+
+def conv_case():
+    """A KerasHub ResNet under auto(): its convolution kernels stored split over their output channels."""
+    strategy = tfdist.ModelParallelStrategy(mesh=MESH, rules=layouts.auto())
+    with strategy.scope():
+        model = keras_hub.models.ResNetBackbone(
+            input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64, 64],
+            stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2], block_type="basic_block",
+            use_pre_activation=False, image_shape=(16, 16, 3),
+        )
+    report = strategy.placement_report(model, print_fn=None)
+    RESULT["resnet"] = {
+        v.path: [list(v.spec), v.gathered, v.chosen_by] for v in report.variables if v.path.endswith("kernel")
+    }
+
+
 for kind in BUILDERS:
     scenario(kind)
 by_name_preset()
 build_cases()
+expert_cases()
+attribute_path_cases()
+conv_case()
+keras_distribution_case()
 with open(os.path.join(OUT, "result.json"), "w") as f:
     json.dump(RESULT, f, indent=1)
 print("done", flush=True)

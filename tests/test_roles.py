@@ -9,7 +9,10 @@ from the same weights (Adam, 2 epochs of 2 steps: losses rtol 1e-4, weights and 
 attention and feed-forward kernel split, read from the variables' DTensor layouts; the bytes on one
 device (from its DTensor shards) at most 1.15 x (split bytes / 4 + replicated bytes); the placement
 report naming each weight's role, nothing unmatched; the build-time cases (a subclassed model built by
-Keras' trace, a read inside a build, an indivisible role).
+Keras' trace, a read inside a build, an indivisible role); Mixtral's experts split 4 ways (trained with SGD
+on {"batch": 1, "model": 4} against one device: weights 1e-5); TensorFlow's DTensor Keras tutorial's
+subclassed model placed by its LayoutMap's attribute-path keys (SGD against one device) and through
+`use_keras_distribution()`; a ResNet's convolutions.
 """
 
 import math
@@ -26,6 +29,8 @@ from keras.src.models.functional import Functional
 import tfdist
 from tfdist import layouts
 from tfdist import models
+from tfdist.placement import attributes
+from tfdist.placement import report as report_lib
 from tfdist.placement import roles
 
 CHILD = os.path.join(REPO, "tests", "_roles_child.py")
@@ -196,6 +201,135 @@ def test_the_report_descriptions_name_the_layer_types():
     assert described["token_embedding/embeddings"] == "token embedding (ReversibleEmbedding)"
 
 
+MOE = {
+    "mixtral": lambda: keras_hub.models.MixtralBackbone(
+        vocabulary_size=64, num_layers=1, hidden_dim=16, intermediate_dim=32, num_query_heads=4,
+        num_key_value_heads=2, num_experts=4, top_k=2),
+    "qwen3_moe": lambda: keras_hub.models.Qwen3MoeBackbone(
+        vocabulary_size=64, num_layers=1, num_query_heads=4, num_key_value_heads=2, hidden_dim=16,
+        intermediate_dim=32, moe_intermediate_dim=8, num_experts=4, head_dim=4, top_k=2),
+    "qwen_moe": lambda: keras_hub.models.QwenMoeBackbone(
+        vocabulary_size=64, num_layers=1, num_query_heads=4, num_key_value_heads=2, hidden_dim=16,
+        intermediate_dim=32, moe_intermediate_dim=8, shared_expert_intermediate_dim=16, num_experts=4, top_k=2),
+    "gpt_oss": lambda: keras_hub.models.GptOssBackbone(
+        vocabulary_size=64, num_layers=1, num_query_heads=4, hidden_dim=16, intermediate_dim=8,
+        num_key_value_heads=2, num_experts=4, top_k=2, head_dim=4),
+}
+
+
+class ExpertBank(keras.layers.Layer):
+    """A user's own stacked experts, fused gate and up [E, h, 2m] then down [E, m, h], with per-expert biases."""
+
+    def build(self, shape):
+        self.up = self.add_weight(shape=(6, shape[-1], 24), name="w_in")
+        self.up_bias = self.add_weight(shape=(6, 24), name="b_in")
+        self.down = self.add_weight(shape=(6, 12, shape[-1]), name="w_out")
+        self.down_bias = self.add_weight(shape=(6, shape[-1]), name="b_out")
+
+
+@pytest.mark.parametrize("kind", sorted(MOE))
+def test_every_expert_weight_of_keras_hub_moe_layers_gets_the_expert_role(kind):
+    keras.utils.set_random_seed(0)
+    model = MOE[kind]()
+    found = found_roles(model)
+    experts = {p: r for p, r in found.items() if r and r[0] == "expert"}
+    assert experts and all(r == ("expert", 0) for r in experts.values()), experts
+    # Every rank-3 weight is an expert bank; nothing else is (the router and shared experts keep their roles).
+    rank3 = {w.path for w in model.weights if len(w.shape) == 3 and "attention" not in w.path}
+    assert {p for p in experts if p in rank3} == rank3 and rank3, (rank3, experts)
+    routers = [p for p in found if re.search(r"(sparse_feedforward_gate_dense|router_dense)/kernel$", p)]
+    assert routers and all(found[p] is None for p in routers), routers
+
+
+def test_a_users_expert_bank_is_found_by_shape_and_splits_experts_x_hidden_on_two_axes():
+    block = ExpertBank(name="moe")
+    block.build((2, 8, 16))
+    finder = roles.RoleFinder()
+    finder.find(block)
+    found = {w.name: finder.role_of(w) for w in block.weights}
+    assert {n: (r.kind, r.dim, r.inner) for n, r in found.items()} == {
+        "w_in": ("expert", 0, 2), "b_in": ("expert", 0, 1), "w_out": ("expert", 0, 1), "b_out": ("expert", 0, None)}
+    rules = layouts.auto(expert_axis="expert")
+    mesh = {"batch": 1, "expert": 2, "model": 4}
+    specs = {n: roles.resolve(rules, found[n], tuple(w.shape), mesh)[0] for n, w in zip(found, block.weights)}
+    assert specs == {"w_in": ("expert", None, "model"), "b_in": ("expert", "model"),
+                     "w_out": ("expert", "model", None), "b_out": ("expert", None)}
+    # 6 experts over 4 devices: kept whole, with the reason.
+    assert roles.resolve(layouts.auto(), found["w_in"], (6, 16, 24), {"model": 4})[::2] == (
+        (None, None, None), "kept whole: 6 experts are not divisible by mesh axis 'model' (4)")
+    with pytest.raises(ValueError, match=r"`expert_axis` of auto\(\) is 'model', the same axis as `axis`"):
+        layouts.auto(expert_axis="model")
+
+
+def resnet():
+    return keras_hub.models.ResNetBackbone(
+        input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64, 64],
+        stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2], block_type="basic_block",
+        use_pre_activation=False, image_shape=(16, 16, 3))
+
+
+def test_every_convolution_of_a_resnet_gets_the_conv_role_over_its_output_channels():
+    model = resnet()
+    found = found_roles(model)
+    kernels = [w for w in model.weights if w.path.endswith("conv/kernel")]
+    assert len(kernels) >= 5 and all(found[w.path] == ("conv", 3) for w in kernels), found
+    assert all(found[w.path] is None for w in model.weights if "_bn/" in w.path)
+    assert [str(r) for r in layouts.auto(roles=["conv"])] == ["role 'conv' -> 'model' gathered for use"]
+
+
+class Tutorial(keras.Model):
+    """TensorFlow's DTensor Keras tutorial's subclassed model."""
+
+    def __init__(self, name=None):
+        super().__init__(name=name)
+        self.feature = keras.layers.Dense(16)
+        self.feature_2 = keras.layers.Dense(24)
+        self.dropout = keras.layers.Dropout(0.1)
+        self.blocks = [keras.layers.Dense(8), keras.layers.Dense(8)]
+
+    def call(self, inputs, training=None):
+        x = self.dropout(self.feature(inputs), training=training)
+        return self.blocks[1](self.blocks[0](self.feature_2(x)))
+
+
+def test_attribute_paths_are_the_attribute_chain_from_the_subclassed_model():
+    model = Tutorial(name="subclassed_model")
+    model(keras.ops.zeros((2, 16)))
+    paths = attributes.attribute_paths(model)
+    assert model.feature.kernel.path == f"subclassed_model/{model.feature.name}/kernel"  # Keras' path: layer names
+    assert [paths[id(w)] for w in model.weights[:2]] == ["feature/kernel", "feature/bias"]
+    assert sorted(paths.values())[:2] == ["blocks/0/bias", "blocks/0/kernel"]
+    # A functional model holding the subclassed one: its weights keep the subclassed model's attribute paths.
+    inputs = keras.Input((16,))
+    functional = keras.Model(inputs, keras.layers.Dense(3, name="head")(model(inputs)))
+    outer = attributes.attribute_paths(functional)
+    assert sorted(outer.values()) == sorted(paths.values())  # the head, a functional model's layer, has none
+
+
+def test_the_keras_path_decides_first_then_the_attribute_path():
+    rules = layouts.LayoutRules([(r"feature.*kernel", ("batch", None)), (r"dense_1/kernel$", (None, "model"))])
+    # Only the attribute path matches: its rule decides, and says so.
+    rule, matched = rules.match("subclassed_model/dense/kernel", "feature/kernel")
+    assert rule.pattern == "feature.*kernel" and matched == "feature/kernel"
+    assert report_lib.chosen_by_rule(rule, "subclassed_model/dense/kernel", "feature/kernel") == (
+        "rule 'feature.*kernel' -> ('batch', None) on attribute path 'feature/kernel'")
+    # Both match, different rules: the Keras path's rule wins.
+    rule, matched = rules.match("subclassed_model/dense_1/kernel", "feature_2/kernel")
+    assert rule.pattern == r"dense_1/kernel$" and matched == "subclassed_model/dense_1/kernel"
+    assert rules.resolve("subclassed_model/dense_1/kernel", (16, 24), {"batch": 2, "model": 4},
+                         attribute_path="feature_2/kernel") == ((None, "model"), rule)
+    # Two rules matching the attribute path (none the Keras path) stay an error, naming both paths.
+    twice = layouts.LayoutRules([(r"feature", ("batch", None)), (r"kernel$", (None, "model"))])
+    with pytest.raises(ValueError, match=r"Variable 'm/dense/bias' \(attribute path 'feature/kernel'\) matches 2"):
+        twice.rule_for("m/dense/bias", "feature/kernel")
+    # A LayoutMap key keeps Keras' whole-path match on the attribute path too.
+    mesh = keras.distribution.DeviceMesh((1, 1), ["batch", "model"], devices=["cpu:0"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["feature.*kernel"] = ("batch", None)
+    assert layouts.LayoutRules(layout_map).rule_for("m/dense/kernel", "feature_2/kernel") is not None
+    assert layouts.LayoutRules(layout_map).rule_for("m/dense/kernel", "x/feature/kernel") is None
+
+
 # ------------------------------------------------------------------------------------------ rules and validation
 def test_auto_makes_one_role_rule_per_role_and_path_rules_win():
     rules = layouts.auto()
@@ -331,7 +465,8 @@ def test_variables_wait_for_the_end_of_the_build_and_a_read_before_creates_them(
 
 
 def test_a_model_without_roles_reports_the_role_rules_as_unmatched(run):
-    assert run["no_roles_unmatched"] == [f"role {role!r} -> 'model'" for role in roles.ROLES]
+    assert run["no_roles_unmatched"] == [str(rule) for rule in layouts.auto()]
+    assert run["no_roles_unmatched"][-1] == "role 'conv' -> 'model' gathered for use"
 
 
 def test_key_value_heads_the_axis_does_not_divide_stay_whole_with_a_note(run):
@@ -342,3 +477,50 @@ def test_key_value_heads_the_axis_does_not_divide_stay_whole_with_a_note(run):
         assert spec == [None, None, None]
         assert note == "kept whole: 2 heads are not divisible by mesh axis 'model' (4)"
         assert chosen_by == f"attention {name} (EinsumDense in LlamaAttention)"
+
+
+def test_every_mixtral_expert_kernel_is_split_four_ways_within_the_byte_budget(run):
+    r = run["mixtral_placed"]
+    assert len(r["experts"]) == 6  # 3 banks in each of 2 layers
+    for path, (shape, shard) in r["experts"].items():
+        assert shard == [shape[0] // 4] + shape[1:] and r["layouts"][path] == ["model", None, None], path
+        assert r["chosen_by"][path].startswith("experts' feed-forward ") and "4 experts in MixtralMoeExperts" in (
+            r["chosen_by"][path])
+    ideal = r["bytes_sharded"] / 4 + r["bytes_replicated"]
+    print(f"mixtral on {{batch: 2, model: 4}}: {r['bytes_device']:,} weight bytes on a device, report "
+          f"{r['report_bytes_device'][0]:,}, ideal {ideal:,.0f} (split {r['bytes_sharded']:,} / 4 + replicated "
+          f"{r['bytes_replicated']:,})")
+    assert r["bytes_device"] <= BYTES_SLACK * ideal and r["report_bytes_device"][0] <= BYTES_SLACK * ideal
+    assert r["unmatched"] == [] and "experts' feed-forward out" in r["table"]
+
+
+def test_mixtral_with_split_experts_trains_as_on_one_device(run):
+    r = run["mixtral_trained"]
+    assert set(map(tuple, r["expert_layouts"].values())) == {("model", None, None)}
+    assert r["weights_diff"] < WEIGHTS_ATOL and r["moved"] > 100 * WEIGHTS_ATOL, r
+    assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(r["loss"], r["ref_loss"])), r
+
+
+def test_the_tutorials_subclassed_model_shards_feature_over_the_batch_axis_by_attribute_path(run):
+    r = run["tutorial"]
+    for name in ("feature", "feature_2"):
+        kernel, bias = (next(p for p, c in r["chosen_by"].items() if c.endswith(f"attribute path '{name}/{w}'"))
+                        for w in ("kernel", "bias"))
+        assert r["layouts"][kernel] == ["batch", None] and r["layouts"][bias] == ["batch"]
+    assert r["warnings"] == [] and r["table"].splitlines()[0].split()[-2:] == ["chosen", "by"]
+    assert r["weights_diff"] < WEIGHTS_ATOL, r  # SGD, against one device
+    assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(r["loss"], r["ref_loss"])), r
+    # The same cells through Keras' own API.
+    assert sorted(map(tuple, run["tutorial_keras_distribution"].values())) == [("batch",)] * 2 + [("batch", None)] * 2
+
+
+def test_a_rule_matching_neither_path_still_warns_with_attribute_paths_as_near_misses(run):
+    (warning,) = run["tutorial_typo_warnings"]
+    assert "rule '^featur/kernel$' -> (None, 'model') matched no variable; similar paths: " in warning
+    assert "feature/kernel" in warning.split("similar paths: ")[1].split(".")[0].split(", ")
+
+
+def test_auto_splits_a_resnets_convolutions_over_output_channels_gathered_for_use(run):
+    kernels = run["resnet"]
+    assert len(kernels) == 6
+    assert all(v == [[None, None, None, "model"], True, "convolution filters (Conv2D)"] for v in kernels.values())

@@ -25,6 +25,7 @@ _PUBLIC = {
     "PipelineStrategy": "tfdist.strategies.pipeline",
     "ShardedDataParallelStrategy": "tfdist.strategies.sharded_data_parallel",
     "advise": "tfdist.advisor",
+    "check": "tfdist.divergence",
     "use_keras_distribution": "tfdist.keras_distribution",
     "CompatError": "tfdist.errors",
     "ClusterError": "tfdist.errors",
@@ -49,6 +50,7 @@ if TYPE_CHECKING:  # IDEs and type checkers see the names (`x as x`: re-exported
     from tfdist import timeline as timeline
     from tfdist.advisor import advise as advise
     from tfdist.devices import simulate_devices as simulate_devices
+    from tfdist.divergence import check as check
     from tfdist.errors import ClusterError as ClusterError
     from tfdist.errors import CompatError as CompatError
     from tfdist.errors import DataShardingWarning as DataShardingWarning

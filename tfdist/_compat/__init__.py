@@ -6,11 +6,12 @@ replaces, the source it checks (its probe) and the features that need it.
 
 | feature              | needed by                         | hooks                                                     |
 |----------------------|-----------------------------------|-----------------------------------------------------------|
-| "data_parallel"      | DataParallelStrategy              | loss_scaling, optimizer, lazy_build, trainer, mirrored    |
+| "data_parallel"      | DataParallelStrategy              | loss_scaling, optimizer, lazy_build, trainer, mirrored,   |
+|                      |                                   | batch_statistics (+ KerasHub MoE hooks when trained)      |
 | "multi_worker"       | MultiWorkerStrategy               | data_parallel's + trainer, step_deadline, keras_callbacks |
-| "model_parallel"     | ModelParallelStrategy             | trainer, variables, dtensor, optimizer, layer_call,       |
-|                      |                                   | deferred_variables, step_deadline, keras_callbacks        |
-|                      |                                   | (across processes)                                        |
+| "model_parallel"     | ModelParallelStrategy             | trainer, variables, dtensor, spmd_ops, optimizer,         |
+|                      |                                   | sparse_ops, layer_call, deferred_variables,               |
+|                      |                                   | step_deadline, keras_callbacks (across processes)         |
 | "pipeline"           | PipelineStrategy                  | data_parallel's + variables, layer_call, gradients, ...   |
 | "callbacks"          | tfdist.callbacks.BackupAndRestore | epoch_iterator, callbacks                                 |
 | "keras_distribution" | tfdist.use_keras_distribution     | keras_distribution                                        |
@@ -40,6 +41,7 @@ import threading
 
 from tfdist import _validate
 from tfdist import errors
+from tfdist._compat import batch_statistics
 from tfdist._compat import callbacks
 from tfdist._compat import deferred_variables
 from tfdist._compat import dtensor
@@ -52,6 +54,8 @@ from tfdist._compat import lazy_build
 from tfdist._compat import loss_scaling
 from tfdist._compat import mirrored
 from tfdist._compat import optimizer
+from tfdist._compat import sparse_ops
+from tfdist._compat import spmd_ops
 from tfdist._compat import step_deadline
 from tfdist._compat import step_timing
 from tfdist._compat import trainer
@@ -77,6 +81,8 @@ HOOKS: tuple[Hook, ...] = (
     *variables.HOOKS,
     *deferred_variables.HOOKS,
     *dtensor.HOOKS,
+    *spmd_ops.HOOKS,
+    *sparse_ops.HOOKS,
     *layer_call.HOOKS,
     *gradients.HOOKS,
     *epoch_iterator.HOOKS,
@@ -84,6 +90,7 @@ HOOKS: tuple[Hook, ...] = (
     *keras_callbacks.HOOKS,
     *keras_distribution.HOOKS,
     *step_timing.HOOKS,
+    *batch_statistics.HOOKS,
 )
 """The registry: every hook once. `install` and `check_hooks` read it when called."""
 

@@ -21,6 +21,13 @@ Reads before that: a symbolic or stateless read (Keras tracing a call for
 shapes) gets the initializer's value, as an uninitialized Keras variable
 gives; any other read (an eager or traced step reading the weight, e.g. a
 sublayer built in an eager call) first creates every variable of its root.
+Also here, for attribute paths (tfdist/placement/attributes.py): the
+sublayers a layer holds by attribute (`attribute_sublayers`) and the layers
+being built or called around a variable's creation (`layer_stack`), and the
+subclassed models whose build ended while Keras held their variables for later
+(a build traced in a stateless scope, as `fit`'s symbolic build does: Keras
+creates them when the outermost scope ends, no layer on the stack then;
+`models_built_late`).
 Checked on Keras 3.15.
 """
 
@@ -36,6 +43,9 @@ import tensorflow as tf
 from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+from keras.src.models import functional as keras_functional
+from keras.src.models import sequential as keras_sequential
+from keras.src.ops import function as keras_function
 from keras.src.ops import operation as keras_operation
 
 from tfdist._compat._hook import hook
@@ -59,6 +69,12 @@ class _Pending:
 
 _pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root layer -> _Pending
 _root_of: dict = {}  # id(variable) -> weak reference to its root
+_placing = threading.local()  # .root: the root whose variables `create` is creating on this thread
+# Attributes by which Keras itself holds a layer's sublayers (Functional's graph, Sequential's model): not paths.
+_KERAS_OWN_ATTRIBUTES = ("_operations", "_functional")
+_bookkeeping: set = set()  # the attributes every Keras layer has (`_layers`, `_tracker`, ...), filled once
+_UNINITIALIZED = "uninitialized_variables"  # Keras' list of the variables a stateless scope's end creates
+_built_late: list = []  # weak references to subclassed models built while Keras held variables for later
 
 
 def _in_build(layer) -> bool:
@@ -97,6 +113,61 @@ def building_root():
 def sublayers(layer) -> list:
     """`layer`'s direct sublayers, in the order they were assigned (Keras' tracking order)."""
     return layer._flatten_layers(include_self=False, recursive=False)
+
+
+def layer_stack() -> list:
+    """The layers being built or called on this thread around a variable's creation, outermost first.
+
+    From Keras' name-scope stack; a root whose build-end creation runs outside
+    its own scope (`create`) comes last.
+    """
+    stack = global_state.get_global_attribute(_NAME_SCOPE_STACK, default=None) or ()
+    layers = [entry.caller for entry in stack if isinstance(entry.caller, keras.layers.Layer)]
+    root = getattr(_placing, "root", None)
+    if root is not None and root not in layers:
+        layers.append(root)
+    return layers
+
+
+def models_built_late() -> list:
+    """Subclassed models whose build ended while Keras held variables for later, the latest first.
+
+    A model is forgotten once none of its variables waits any more.
+    """
+    with _lock:
+        alive = [ref for ref in _built_late if ref() is not None and any(v._value is None for v in ref().weights)]
+        _built_late[:] = alive
+    return [ref() for ref in reversed(alive)]
+
+
+def is_subclassed_model(layer) -> bool:
+    """Whether `layer` is a `keras.Model` subclass built by its own code (not a functional or Sequential model)."""
+    return isinstance(layer, keras.Model) and not isinstance(
+        layer, (keras_functional.Functional, keras_sequential.Sequential)
+    )
+
+
+def attribute_sublayers(layer) -> list:
+    """The sublayers `layer` holds by attribute, as `(name, sublayer)`, in assignment order.
+
+    A list or tuple element is named `"<attribute>/<index>"`, a dict value
+    `"<attribute>/<key>"`. Attributes every Keras layer has (its tracking
+    lists) and a functional or Sequential model's own graph are skipped, as
+    Keras' weights-file walk skips them (`saving_lib.get_attr_skipset`).
+    """
+    if not _bookkeeping:
+        _bookkeeping.update(vars(keras.layers.Layer()), _KERAS_OWN_ATTRIBUTES)
+    found = []
+    for name, value in vars(layer).items():
+        if name in _bookkeeping or name.startswith("_self_"):  # TensorFlow trackable bookkeeping too
+            continue
+        if isinstance(value, keras.layers.Layer):
+            found.append((name, value))
+        elif isinstance(value, (list, tuple)):
+            found.extend((f"{name}/{i}", v) for i, v in enumerate(value) if isinstance(v, keras.layers.Layer))
+        elif isinstance(value, dict):
+            found.extend((f"{name}/{k}", v) for k, v in value.items() if isinstance(v, keras.layers.Layer))
+    return found
 
 
 def pending(root) -> int:
@@ -154,15 +225,22 @@ def create(root) -> None:
             _root_of.pop(id(variable), None)
 
     def create_all():
-        for variable, initializer in zip(group.variables, group.initializers):
-            variable._initializer = initializer
-            variable._deferred_initialize()
+        outer, _placing.root = getattr(_placing, "root", None), root
+        try:
+            for variable, initializer in zip(group.variables, group.initializers):
+                variable._initializer = initializer
+                variable._deferred_initialize()
+        finally:
+            _placing.root = outer
 
     group.extended._tfdist_place_deferred(root, create_all)
 
 
 def _post_build(self):
     _original_post_build(self)
+    if global_state.get_global_attribute(_UNINITIALIZED, None) and is_subclassed_model(self):
+        with _lock:
+            _built_late.append(weakref.ref(self))
     if not in_stateless_scope() and pending(self):
         create(self)
 
@@ -204,6 +282,30 @@ HOOKS = (
         "deferred_variables_sublayers",
         keras.src.layers.layer.Layer._flatten_layers,
         ("def _flatten_layers(self, include_self=True, recursive=True)", "deque = collections.deque(self._layers)"),
+        "model_parallel",
+    ),
+    hook(
+        "attribute_paths_late_variables",
+        keras.src.backend.common.variables.register_uninitialized_variable,
+        ('"uninitialized_variables"',),
+        "model_parallel",
+    ),
+    hook(
+        "attribute_sublayers",
+        keras.src.layers.layer.Layer._initialize_tracker,
+        ("self._layers = layers",),
+        "model_parallel",
+    ),
+    hook(
+        "attribute_sublayers_functional",
+        keras_function.Function.__init__,
+        ("self._operations = operations",),
+        "model_parallel",
+    ),
+    hook(
+        "attribute_sublayers_sequential",
+        keras_sequential.Sequential.build,
+        ("self._functional = Functional(",),
         "model_parallel",
     ),
     hook(

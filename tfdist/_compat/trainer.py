@@ -28,6 +28,15 @@ the multi-worker reduction of step outputs, and `*_on_batch` inputs.
   (scalar metric results) with `strategy.reduce(..., axis=0)`, which fails on
   scalars ("Invalid reduction dimension 0"). Under a tfdist multi-worker
   strategy it takes the element-wise mean over all replicas (axis=None).
+* A dataset the strategy distributed already (`experimental_distribute_dataset`,
+  `distribute_datasets_from_function`) given to `fit`/`evaluate`/`predict`:
+  its element spec is per replica, where Keras' `batch_size` reads one
+  TensorSpec (`AttributeError: 'PerReplicaSpec' object has no attribute
+  'shape'`); the global batch is computed from a replica's. Keras recognizes
+  tf.distribute's datasets by class name, so a DTensor strategy's
+  (a `tf.distribute.DistributedDataset` of tfdist's) was "Unrecognized data
+  type"; it is taken as a distributed dataset, which Keras' epoch iterator
+  iterates as it is.
 * `train_on_batch` / `test_on_batch` / `predict_on_batch` hand host arrays to
   the traced step; they first go through the strategy's `_tfdist_shard_batch`
   (a DTensor program refuses non-DTensor inputs), class weights turned into
@@ -44,6 +53,8 @@ import threading
 import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.trainers import data_adapters as keras_data_adapters
+from keras.src.trainers.data_adapters import tf_dataset_adapter
 from tensorflow.python.distribute import values as tf_values
 from tensorflow.python.util import nest
 from tensorflow.python.util import tf_decorator
@@ -55,6 +66,7 @@ from tfdist._compat._hook import missing_spec_error
 from tfdist.strategies import _extended
 
 _trainer = keras_tf_trainer.TensorFlowTrainer
+_TFDatasetAdapter = tf_dataset_adapter.TFDatasetAdapter
 
 
 # ------------------------------------------------------------------ symbolic build
@@ -72,6 +84,25 @@ def batch_spec(epoch_iterator):
     return nest.map_structure(one_replica, spec)
 
 
+def global_batch_size(data_adapter, strategy):
+    """The global batch size of a Keras data adapter's batches (None: not static).
+
+    Keras' `batch_size` reads the first element spec's leading dimension; a
+    dataset the strategy already distributed (`experimental_distribute_dataset`,
+    `distribute_datasets_from_function`) has one spec per replica instead: the
+    global batch is then a replica's static batch times the replicas in sync
+    (None unless every replica's is the same).
+    """
+    if not isinstance(data_adapter, _TFDatasetAdapter):  # an adapter of arrays or generators: batches made here
+        return data_adapter.batch_size
+    first = nest.flatten(data_adapter.get_tf_dataset().element_spec)[0]
+    if not isinstance(first, tf_values.PerReplicaSpec):
+        return data_adapter.batch_size
+    sizes = {spec.shape[0] if spec.shape.rank else None for spec in first._value_specs}
+    size = sizes.pop() if len(sizes) == 1 else None
+    return None if size is None else size * strategy.num_replicas_in_sync
+
+
 _original_maybe_symbolic_build = _trainer._maybe_symbolic_build
 
 
@@ -83,9 +114,17 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     data_batch = batch_spec(iterator)
     if data_batch is None:
         raise missing_spec_error("symbolic_build", "distributed dataset")
-    extended._tfdist_check_global_batch(iterator.data_adapter.batch_size)
+    extended._tfdist_check_global_batch(global_batch_size(iterator.data_adapter, strategy))
     with strategy.scope():
         self._symbolic_build(data_batch=data_batch)
+
+
+# ------------------------------------------------------------------ datasets the strategy distributed
+_original_is_tf_dataset = keras_data_adapters.is_tf_dataset
+
+
+def _is_tf_dataset(x):
+    return _original_is_tf_dataset(x) or isinstance(x, tf.distribute.DistributedDataset)
 
 
 # ------------------------------------------------------------------ steps_per_execution > 1
@@ -278,6 +317,31 @@ HOOKS = (
         ('self.distribute_strategy.reduce(', '"MEAN"', "self._symbolic_build(data_batch=data_batch)"),
         *_ALL,
         patch=(_trainer, "_maybe_symbolic_build", _maybe_symbolic_build),
+    ),
+    hook(
+        "distributed_dataset_batch_size",
+        _TFDatasetAdapter.batch_size.fget,
+        ("first_element_spec.shape[0]",),
+        *_ALL,
+    ),
+    hook(
+        "distributed_dataset_input",
+        _original_is_tf_dataset,
+        ('"DistributedDataset",',),
+        "model_parallel",
+        patch=(keras_data_adapters, "is_tf_dataset", _is_tf_dataset),
+    ),
+    hook(
+        "distributed_dataset_adapter",
+        keras_data_adapters.get_data_adapter,
+        ("elif is_tf_dataset(x):", "return TFDatasetAdapter("),
+        "model_parallel",
+    ),
+    hook(
+        "distributed_dataset_epochs",
+        keras_tf_trainer.TFEpochIterator.__init__,
+        ("if not isinstance(dataset, tf.distribute.DistributedDataset):",),
+        "model_parallel",
     ),
     hook(
         "epoch_iterator_dataset",

@@ -1,4 +1,5 @@
-"""Placement: device meshes, the rules that map each variable to a layout on them, and pipeline stages."""
+"""Placement: device meshes, the rules that map each variable to a layout on them (by path, attribute path
+or role), and pipeline stages."""
 
 from tfdist.placement import pipeline
 from tfdist.placement.mesh import make_mesh

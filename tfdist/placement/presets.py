@@ -2,8 +2,9 @@
 
 Each preset returns a `LayoutRules`; combine presets with `+` and pass the
 result to `tfdist.ModelParallelStrategy(rules=...)`. `auto()` finds each
-weight's role (attention projection, feed-forward layer, embedding, LM head)
-from the layer types and how the layers fit together, whatever their names;
+weight's role (attention projection, feed-forward layer, embedding, LM head,
+expert bank, convolution) from the layer types and how the layers fit
+together, whatever their names;
 the other presets are regexes on weight paths that follow Keras' default layer
 names and those of `tfdist.models`, with the patterns as arguments.
 """
@@ -85,7 +86,7 @@ def transformer(
     )
 
 
-def auto(*, axis: str = "model", roles: Sequence[str] = ROLES) -> LayoutRules:
+def auto(*, axis: str = "model", roles: Sequence[str] = ROLES, expert_axis: str | None = None) -> LayoutRules:
     """Megatron-style tensor parallelism found from what each layer does, not from its name.
 
     The same splits as `transformer()`, for weights found by role (see
@@ -105,7 +106,15 @@ def auto(*, axis: str = "model", roles: Sequence[str] = ROLES) -> LayoutRules:
     * "embedding": `Embedding` tables (KerasHub's `ReversibleEmbedding` too),
       split over the vocabulary;
     * "lm_head": untied reverse embeddings, and a dense layer onto the
-      vocabulary of the model's largest embedding, split over the vocabulary.
+      vocabulary of the model's largest embedding, split over the vocabulary;
+    * "expert": stacked expert weights `[experts, in, out]` (KerasHub's
+      Mixtral, Qwen-MoE, Qwen3-MoE, GPT-OSS expert banks, or any layer holding
+      such a bank) and their `[experts, n]` biases, split over the experts
+      (expert parallelism); with `expert_axis`, over the experts on that
+      axis and over each expert's hidden units on `axis` (experts x hidden);
+    * "conv": `Conv1D` / `Conv2D` / `Conv3D` kernels and biases, split over
+      their output channels, stored split and gathered whole for each use
+      (as `conv()` places them).
 
     Row-parallel biases, norms and position embeddings stay replicated. A role
     whose dimension the axis does not divide (2 key/value heads over 4
@@ -126,13 +135,17 @@ def auto(*, axis: str = "model", roles: Sequence[str] = ROLES) -> LayoutRules:
         axis: the mesh axis to split over.
         roles: the roles to split, a subset of `tfdist.placement.roles.ROLES`
             (default: all); weights of the others stay replicated.
+        expert_axis: a second model axis for the "expert" role (a mesh such as
+            `{"batch": 2, "expert": 2, "model": 2}`): experts are split over
+            it and each expert's hidden units over `axis`. Default: experts
+            over `axis`, each expert whole.
 
     Returns:
         `LayoutRules` of role rules.
 
     Raises:
-        ValueError: for an unknown or repeated role, or an axis that is not a
-            non-empty string.
+        ValueError: for an unknown or repeated role, an axis that is not a
+            non-empty string, or an `expert_axis` equal to `axis`.
 
     Example:
 
@@ -140,6 +153,8 @@ def auto(*, axis: str = "model", roles: Sequence[str] = ROLES) -> LayoutRules:
     >>> from tfdist import layouts
     >>> [str(rule) for rule in layouts.auto(roles=["mlp_in", "mlp_out"])]
     ["role 'mlp_in' -> 'model'", "role 'mlp_out' -> 'model'"]
+    >>> [str(rule) for rule in layouts.auto(roles=["expert", "conv"], expert_axis="expert")]
+    ["role 'expert' -> ('expert', 'model')", "role 'conv' -> 'model' gathered for use"]
     >>> strategy = tfdist.ModelParallelStrategy(
     ...     mesh={"batch": 1, "model": 1}, devices=["CPU:0"], rules=layouts.auto())
     >>> with strategy.scope():
@@ -160,7 +175,15 @@ def auto(*, axis: str = "model", roles: Sequence[str] = ROLES) -> LayoutRules:
     repeated = sorted({r for r in roles if list(roles).count(r) > 1})
     if repeated:
         raise ValueError(f"Role {repeated[0]!r} is given twice in `roles` of auto(); keep one.")
-    return LayoutRules([RoleRule.of(role, axis) for role in roles])
+    if expert_axis is not None and expert_axis == axis:
+        raise ValueError(
+            f"`expert_axis` of auto() is {expert_axis!r}, the same axis as `axis`; give another mesh axis "
+            "(experts over it, each expert's hidden units over `axis`), or leave it None (experts over `axis`)."
+        )
+    return LayoutRules(
+        [RoleRule.of(role, axis) if role != "expert" or expert_axis is None else RoleRule.of(role, expert_axis, axis)
+         for role in roles]
+    )
 
 
 def conv(*, axis: str = "model", layers: str = r"(?!depthwise)[^/]*conv[123]d(_\d+)?") -> LayoutRules:

@@ -4,6 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 
+_ON_ATTRIBUTE_PATH = " on attribute path "
+
+
+def chosen_by_rule(rule, path: str, attribute_path: str | None) -> str:
+    """The report's "chosen by" for a path rule (None: ""), naming the attribute path when that is what it matched.
+
+    Example:
+
+    >>> from tfdist.placement.rules import Rule
+    >>> chosen_by_rule(Rule("feature.*kernel", ("batch", None)), "subclassed_model/dense/kernel", "feature/kernel")
+    "rule 'feature.*kernel' -> ('batch', None) on attribute path 'feature/kernel'"
+    """
+    if rule is None:
+        return ""
+    if rule.matches(path) or not attribute_path:
+        return f"rule {rule}"
+    return f"rule {rule}{_ON_ATTRIBUTE_PATH}{attribute_path!r}"
+
 
 def unmatched_rule_lines(unmatched) -> list[str]:
     """One line per `(rule, similar paths)` of `LayoutRules.unmatched`.
@@ -28,7 +46,9 @@ class VariablePlacement:
     `chosen_by`: the path rule ("rule 'mlp_in/kernel$' -> (..., 'model')") or
     role ("attention query (EinsumDense in CachedMultiHeadAttention)") that
     chose the layout, "" when none did (replicated); optimizer slots give their
-    variable's.
+    variable's. A rule that matched the weight's attribute path in a subclassed
+    model, not its Keras path, is named with it ("rule 'feature.*kernel' ->
+    ('batch', None) on attribute path 'feature/kernel'").
     """
 
     path: str
@@ -73,10 +93,14 @@ class PlacementReport:
         """The report as a text table.
 
         A "note" column appears when a variable has a note, a "chosen by"
-        column when roles placed some variable (`tfdist.layouts.auto()`).
+        column when roles placed some variable (`tfdist.layouts.auto()`) or a
+        rule matched some variable by its attribute path.
         """
         notes = any(v.note for v in self.variables)
-        chosen = any(v.chosen_by and not v.chosen_by.startswith("rule ") for v in self.variables)
+        chosen = any(
+            v.chosen_by and (not v.chosen_by.startswith("rule ") or _ON_ATTRIBUTE_PATH in v.chosen_by)
+            for v in self.variables
+        )
         extra = (("note",) if notes else ()) + (("chosen by",) if chosen else ())
         rows = [("path", "shape", "layout", "bytes total", "bytes/device") + extra]
         for v in self.variables:

@@ -28,6 +28,22 @@ from the model's structure, never from a layer's name:
   `Dense` / `EinsumDense` (not otherwise placed) whose output width is the
   vocabulary of the largest embedding seen before it: split over the
   vocabulary.
+* **expert**: a bank of stacked experts, as KerasHub's Mixtral, Qwen-MoE,
+  Qwen3-MoE and GPT-OSS layers hold (found by shape, whatever the class): a
+  layer (not a Dense, EinsumDense, Embedding or convolution) owning two or
+  more rank-3 weights `[experts, in, out]` with the same number of experts
+  (at least 2), the first taking the model width (`[E, h, m]`, a gate, an up
+  projection or both fused) and the last bringing it back (`[E, m', h]`, `m`
+  a multiple of `m'`). Its rank-3 weights and its rank-2 `[E, n]` ones (the
+  experts' biases) are split over the experts; under a rule with a second
+  axis (`auto(expert_axis=...)`), also over each expert's hidden units
+  (experts x hidden): the in-weights' and their biases' last dimension, the
+  out-weight's middle one (its bias, added after the sum, is split over the
+  experts only).
+* **conv**: a `Conv1D` / `Conv2D` / `Conv3D` kernel and bias, split over the
+  output channels and gathered whole for each use (`layouts.conv()`'s
+  layout: DTensor runs a convolution only on a whole filter). Depthwise,
+  separable and transposed convolutions get no role.
 
 Row-parallel biases stay whole (they are added after the sum); layer norms,
 position embeddings and anything else without a role stay replicated.
@@ -53,9 +69,10 @@ import keras
 from tfdist._compat import deferred_variables
 from tfdist.placement.rules import Rule
 
-ROLES = ("attention_in", "attention_out", "mlp_in", "mlp_out", "embedding", "lm_head")
+ROLES = ("attention_in", "attention_out", "mlp_in", "mlp_out", "embedding", "lm_head", "expert", "conv")
 """The roles `tfdist.layouts.auto()` places; see the module."""
 
+_CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 _EQUATION = re.compile(r"([a-zA-Z.]+),([a-zA-Z.]+)->([a-zA-Z.]+)")
 
 
@@ -71,12 +88,15 @@ class Role:
             (EinsumDense in CachedMultiHeadAttention)".
         unit: what the split dimension counts ("heads", "units", "vocabulary
             entries"), for the note when the mesh axis does not divide it.
+        inner: a second dimension, split over the role rule's second axis
+            when it has one (an expert's hidden units), or None.
     """
 
     kind: str
     dim: int | None
     description: str
     unit: str = "units"
+    inner: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +106,8 @@ class RoleRule(Rule):
     A role rule matches no path: `LayoutRules.resolve` (path rules) never
     returns it, and a path rule decides a weight before any role does. A
     dimension the axis does not divide stays whole, with a note in the
-    placement report.
+    placement report. Its spec is `(axis,)`, or `(axis, inner axis)` for a
+    role that splits a second dimension (`Role.inner`) over another axis.
     """
 
     role: str = ""
@@ -98,11 +119,16 @@ class RoleRule(Rule):
         super().__post_init__()
 
     @classmethod
-    def of(cls, role: str, axis: str) -> RoleRule:
-        """The rule splitting `role`'s weights over mesh axis `axis`."""
-        if not isinstance(axis, str) or not axis:
-            raise ValueError(f"A role rule's axis must be a mesh axis name; got {axis!r}.")
-        return cls(f"<role {role}>", (axis,), role=role)
+    def of(cls, role: str, axis: str, inner_axis: str | None = None) -> RoleRule:
+        """The rule splitting `role`'s weights over mesh axis `axis` (and their inner dimension over `inner_axis`).
+
+        Convolution filters are stored split and gathered whole for each use.
+        """
+        for name in (axis, inner_axis) if inner_axis is not None else (axis,):
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"A role rule's axis must be a mesh axis name; got {name!r}.")
+        spec = (axis,) if inner_axis is None else (axis, inner_axis)
+        return cls(f"<role {role}>", spec, gather=role == "conv", role=role)
 
     @property
     def axis(self) -> str:
@@ -113,7 +139,8 @@ class RoleRule(Rule):
         return False
 
     def __str__(self):
-        return f"role {self.role!r} -> {self.axis!r}"
+        axes = repr(self.axis) if len(self.spec) == 1 else repr(self.spec)
+        return f"role {self.role!r} -> {axes}" + (" gathered for use" if self.gather else "")
 
 
 def resolve(rules, role: Role | None, shape, mesh_axes) -> tuple[tuple, RoleRule | None, str]:
@@ -132,16 +159,24 @@ def resolve(rules, role: Role | None, shape, mesh_axes) -> tuple[tuple, RoleRule
     >>> resolve(rules, role, (16, 2, 4), {"model": 4})[2]
     "kept whole: 2 heads are not divisible by mesh axis 'model' (4)"
     """
-    whole = (None,) * len(shape)
+    spec = [None] * len(shape)
     if role is None:
-        return whole, None, ""
+        return tuple(spec), None, ""
     rule = next((r for r in rules if isinstance(r, RoleRule) and r.role == role.kind), None)
     if rule is None or role.dim is None:
-        return whole, rule, ""
-    size, parts = int(shape[role.dim]), mesh_axes[rule.axis]
-    if size % parts:
-        return whole, rule, f"kept whole: {size} {role.unit} are not divisible by mesh axis {rule.axis!r} ({parts})"
-    return whole[: role.dim] + (rule.axis,) + whole[role.dim + 1 :], rule, ""
+        return tuple(spec), rule, ""
+    notes = []
+    splits = [(role.dim, rule.spec[0], role.unit)]
+    if role.inner is not None and len(rule.spec) > 1:
+        splits.append((role.inner, rule.spec[1], "hidden units"))
+    for dim, axis, unit in splits:
+        size, parts = int(shape[dim]), mesh_axes[axis]
+        if size % parts:
+            notes.append(f"{size} {unit} are not divisible by mesh axis {axis!r} ({parts})")
+        else:
+            spec[dim] = axis
+    note = ("kept whole: " if not any(spec) else "not split over all its axes: ") + "; ".join(notes) if notes else ""
+    return tuple(spec), rule, note
 
 
 def uses_roles(rules) -> bool:
@@ -182,7 +217,7 @@ class _Projection:
         return type(self.layer).__name__
 
 
-def _own_variables(layer) -> list:
+def own_variables(layer) -> list:
     """The variables `layer` itself created (not its sublayers'), in creation order."""
     inner = {id(v) for sub in deferred_variables.sublayers(layer) for v in sub.weights}
     return [v for v in layer.weights if id(v) not in inner]
@@ -191,7 +226,7 @@ def _own_variables(layer) -> list:
 def _projection(layer) -> _Projection | None:
     if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
         return None
-    own = {v.name: v for v in _own_variables(layer)}
+    own = {v.name: v for v in own_variables(layer)}
     kernel, bias = own.get("kernel"), own.get("bias")
     if kernel is None:
         return None
@@ -300,7 +335,7 @@ def _embedding(found, layer) -> int:
     vocabulary, width = layer.input_dim, layer.output_dim
     kind = type(layer).__name__
     table = None
-    for v in _own_variables(layer):
+    for v in own_variables(layer):
         shape = tuple(v.shape)
         if table is None and shape == (vocabulary, width):
             table = v
@@ -308,6 +343,51 @@ def _embedding(found, layer) -> int:
         elif shape == (width, vocabulary):
             found[id(v)] = Role("lm_head", 1, f"LM head ({kind}'s reverse embeddings)", "vocabulary entries")
     return vocabulary
+
+
+def _experts(found, layer) -> None:
+    """Places the expert bank `layer` holds, if it is one (see the module)."""
+    if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding, *_CONVOLUTIONS)):
+        return
+    own = own_variables(layer)
+    banks = collections.defaultdict(list)
+    for v in own:
+        if len(v.shape) == 3:
+            banks[int(v.shape[0])].append(v)
+    for experts, group in banks.items():
+        first, last = group[0], group[-1]
+        width = int(first.shape[1])
+        if (
+            experts < 2
+            or len(group) < 2
+            or int(last.shape[2]) != width
+            or any(int(v.shape[1]) != width for v in group[:-1])
+            or int(first.shape[2]) % int(last.shape[1])
+        ):
+            continue
+        where = f"{experts} experts in {type(layer).__name__}"
+        hidden = {int(v.shape[2]) for v in group[:-1]}
+        for v in group[:-1]:
+            found[id(v)] = Role("expert", 0, f"experts' feed-forward in ({where})", "experts", inner=2)
+        found[id(last)] = Role("expert", 0, f"experts' feed-forward out ({where})", "experts", inner=1)
+        for v in own:
+            if len(v.shape) == 2 and int(v.shape[0]) == experts:
+                inner = 1 if int(v.shape[1]) in hidden else None
+                found[id(v)] = Role("expert", 0, f"experts' biases ({where})", "experts", inner=inner)
+
+
+def _convolution(found, layer) -> None:
+    """Places a convolution's kernel and bias over its output channels."""
+    if not isinstance(layer, _CONVOLUTIONS):
+        return
+    own = {v.name: v for v in own_variables(layer)}
+    kernel, bias = own.get("kernel"), own.get("bias")
+    if kernel is None:
+        return
+    kind = type(layer).__name__
+    found[id(kernel)] = Role("conv", len(kernel.shape) - 1, f"convolution filters ({kind})", "output channels")
+    if bias is not None:
+        found[id(bias)] = Role("conv", 0, f"convolution bias ({kind})", "output channels")
 
 
 def find_roles(root, vocabulary: int = 0) -> tuple[dict, int]:
@@ -340,10 +420,12 @@ def find_roles(root, vocabulary: int = 0) -> tuple[dict, int]:
             vocabulary = max(vocabulary, _embedding(found, layer))
     left = []
     for layer in layers:
+        _convolution(found, layer)
         projections = [p for p in map(_projection, deferred_variables.sublayers(layer)) if p is not None]
         if _is_attention(layer, projections):
             _attention(found, layer, projections)
         else:
+            _experts(found, layer)
             left.extend(_feed_forward(found, layer, projections))
     alone = _projection(root)
     if alone is not None:

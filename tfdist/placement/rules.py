@@ -15,6 +15,15 @@ A `keras.distribution.LayoutMap` is accepted wherever rules are, with Keras'
 own matching kept for its keys (see `LayoutRules`): a key must match the whole
 path (`re.fullmatch`, where tfdist's patterns are searched), and a key equal to
 the path wins over keys that match it as a regex.
+
+A weight of a subclassed model also has an *attribute path*: the chain of
+attribute names from the model to the layer that owns it, then the weight's
+name (`"feature/kernel"` for `self.feature = Dense(...)`; a list element adds
+its index, `"blocks/0/kernel"`), as tf_keras' LayoutMap matched a subclassed
+model's weights (tfdist/placement/attributes.py). Rules match the Keras path
+first: a rule matching it decides, whatever rules match the attribute path;
+only when no rule matches the Keras path are the rules tried on the attribute
+path. On either path, two matching rules are an error, as above.
 """
 
 from __future__ import annotations
@@ -224,24 +233,44 @@ class LayoutRules:
                     f"does not have. Valid axes: {list(mesh_axes)}."
                 )
 
-    def rule_for(self, path: str) -> Rule | None:
-        """The one rule matching `path`, or None.
+    def rule_for(self, path: str, attribute_path: str | None = None) -> Rule | None:
+        """The one rule matching `path` (else `attribute_path`, see the module), or None.
 
         Raises:
-            ValueError: if two or more rules match `path`, naming them.
+            ValueError: if two or more rules match the path that decides, naming them.
         """
-        found = [r for r in self.rules if r.matches(path)]
-        if len(found) > 1:
-            # A LayoutMap key equal to the path wins, as in `keras.distribution.LayoutMap`.
-            exact = [r for r in found if r.fullmatch and r.pattern == path]
-            if exact:
-                return exact[0]
-            raise ValueError(
-                f"Variable {path!r} matches {len(found)} layout rules: "
-                + "; ".join(str(r) for r in found)
-                + ". Make the patterns exclusive (anchor them, e.g. with '/kernel$') so one rule decides."
-            )
-        return found[0] if found else None
+        return self.match(path, attribute_path)[0]
+
+    def match(self, path: str, attribute_path: str | None = None) -> tuple[Rule | None, str]:
+        """The rule deciding a weight and the path it matched: its Keras `path`, else its `attribute_path`.
+
+        Returns `(None, "")` when no rule matches either path.
+
+        Raises:
+            ValueError: if two or more rules match the path that decides, naming them.
+
+        Example:
+
+        >>> rules = LayoutRules([(r"feature.*kernel", (None, "model"))])
+        >>> rules.match("subclassed_model/dense/kernel", "feature/kernel")[1]
+        'feature/kernel'
+        """
+        for candidate in [path] + ([attribute_path] if attribute_path and attribute_path != path else []):
+            found = [r for r in self.rules if r.matches(candidate)]
+            if len(found) > 1:
+                # A LayoutMap key equal to the path wins, as in `keras.distribution.LayoutMap`.
+                exact = [r for r in found if r.fullmatch and r.pattern == candidate]
+                if exact:
+                    return exact[0], candidate
+                which = f"Variable {path!r}" + (f" (attribute path {candidate!r})" if candidate != path else "")
+                raise ValueError(
+                    f"{which} matches {len(found)} layout rules: "
+                    + "; ".join(str(r) for r in found)
+                    + ". Make the patterns exclusive (anchor them, e.g. with '/kernel$') so one rule decides."
+                )
+            if found:
+                return found[0], candidate
+        return None, ""
 
     def spec_for(self, path: str, shape: Sequence[int], mesh_axes: Mapping[str, int]) -> tuple:
         """The sharding spec (one axis name or None per dimension) of a variable.
@@ -250,13 +279,17 @@ class LayoutRules:
         """
         return self.resolve(path, shape, mesh_axes)[0]
 
-    def resolve(self, path: str, shape: Sequence[int], mesh_axes: Mapping[str, int]) -> tuple[tuple, Rule | None]:
+    def resolve(
+        self, path: str, shape: Sequence[int], mesh_axes: Mapping[str, int], *, attribute_path: str | None = None
+    ) -> tuple[tuple, Rule | None]:
         """The sharding spec of a variable and the rule that decided it (None: replicated, no rule).
 
         Args:
             path: the variable's Keras path, e.g. "block_0/mlp_in/kernel".
             shape: its (global) shape.
             mesh_axes: the mesh's axis name -> size.
+            attribute_path: its attribute path in a subclassed model (e.g.
+                "feature/kernel"), matched when no rule matches `path`.
 
         Raises:
             ValueError: when two rules match, or the matching rule's spec has
@@ -264,9 +297,11 @@ class LayoutRules:
                 dimension that its mesh axis does not divide.
         """
         shape = tuple(int(d) for d in shape)
-        rule = self.rule_for(path)
+        rule, matched = self.match(path, attribute_path)
         if rule is None:
             return (None,) * len(shape), None
+        if matched != path:
+            path = f"{path} (attribute path {matched})"
         spec = rule.expand(len(shape))
         if spec is None:
             raise ValueError(
@@ -290,19 +325,26 @@ class LayoutRules:
                 )
         return spec, rule
 
-    def unmatched(self, paths: Iterable[str]) -> list[tuple[Rule, list[str]]]:
-        """The path rules matching none of `paths`, each with up to 3 similar paths (near misses)."""
-        paths = list(paths)
+    def unmatched(self, paths: Iterable[str], attribute_paths: Iterable[str] = ()) -> list[tuple[Rule, list[str]]]:
+        """The path rules matching none of `paths` nor `attribute_paths`, each with similar paths (near misses).
+
+        Up to 3 near misses among the Keras `paths`, then up to 3 among the
+        `attribute_paths` (of a subclassed model's weights).
+        """
+        paths, attribute_paths = list(paths), list(attribute_paths)
         out = []
         for rule in self.rules:
-            if not rule.by_path or any(rule.matches(p) for p in paths):
+            if not rule.by_path or any(rule.matches(p) for p in paths + attribute_paths):
                 continue
             # The pattern's literal pieces: "feature.*kernel" -> ["feature", "kernel"].
             pieces = [p for p in re.split(r"\\.|[\^$()\[\]|?*+{}.]", rule.pattern) if p]
-            near = difflib.get_close_matches("".join(pieces), paths, n=3, cutoff=0.4)
-            if not near and pieces:
-                tail = pieces[-1].split("/")[-1]
-                near = [p for p in paths if tail and tail in p][:3]
+            near = []
+            for candidates in (paths, attribute_paths):
+                close = difflib.get_close_matches("".join(pieces), candidates, n=3, cutoff=0.4)
+                if not close and pieces:
+                    tail = pieces[-1].split("/")[-1]
+                    close = [p for p in candidates if tail and tail in p][:3]
+                near += [p for p in close if p not in near]
             out.append((rule, near))
         return out
 

@@ -31,6 +31,12 @@ hook in `tfdist._compat` that hands the decision here:
    replica; the optimizer's `apply` met inside is recorded
    (`_tfdist_defer_apply`) and runs after it in the same replica, so the
    all-reduce and the update are the ones of the uncompiled step.
+5. Batch statistics. BatchNormalization and KerasHub's MoE load-balancing losses
+   compute from the batch: per replica (Keras' behaviour, `batch_statistics=
+   "replica"`, said once at `fit` by a warning naming the layers) or over the
+   global batch (`"global"`: `_tfdist_sum_batch_statistics` all-reduces their
+   sums, each replica weighted by its real examples; the hooks are in
+   `tfdist._compat.batch_statistics`), which equals one device.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
+import weakref
 
 import tensorflow as tf
 from tensorflow.python.autograph.core import ag_ctx
@@ -46,10 +54,14 @@ from tensorflow.python.distribute import values as tf_values
 from tensorflow.python.util import nest
 
 from tfdist import _validate
+from tfdist._compat import batch_statistics
 from tfdist._compat import trainer as keras_trainer
 from tfdist.strategies import _extended
 
 GRADIENT_DTYPES = (None, "bfloat16", "float16")
+BATCH_STATISTICS = ("replica", "global")
+# Models already warned about their batch-dependent layers (one warning per model).
+_warned_models = weakref.WeakSet()
 
 
 def wire_dtype(gradient_dtype: str | None) -> tf.DType | None:
@@ -144,6 +156,9 @@ class ExactReplicas(_extended.TfdistExtended):
     # Whether a Keras step of a `jit_compile=True` model is compiled per replica (PipelineStrategy
     # compiles per stage instead: a replica's step spans devices).
     _tfdist_compiles_replicas = True
+    # One of BATCH_STATISTICS: the part of the batch BatchNormalization and MoE balancing compute from
+    # (set by the strategy's constructor).
+    _tfdist_batch_statistics = "replica"
 
     def __init__(self, *args, gradient_dtype: str | None = None, **kwargs):
         self._tfdist_gradient_dtype = wire_dtype(gradient_dtype)
@@ -213,9 +228,81 @@ class ExactReplicas(_extended.TfdistExtended):
             return eagerly()
         return context.merge_call(eagerly)
 
+    # ---------------------------------------------------------------- batch statistics
+    def _tfdist_global_batch_statistics(self) -> bool:
+        return self._tfdist_batch_statistics == "global" and self._num_replicas_in_sync > 1
+
+    def _tfdist_global_batch_losses(self) -> bool:
+        return self._tfdist_global_batch_statistics()
+
+    def _tfdist_sum_batch_statistics(self, values):
+        """All-reduces (sums) batch statistics over the replicas; a padded replica (no example) adds zeros."""
+        if self._num_replicas_in_sync < 2:
+            return list(values)
+        share = current_example_share()
+        if share is not None:
+            live = share > 0
+            values = [v * tf.cast(live, v.dtype) for v in values]
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, list(values))
+
+    def _tfdist_batch_part(self) -> str | None:
+        """What a batch-dependent layer sees of the global batch in a step, when not all of it (else None)."""
+        if self._num_replicas_in_sync < 2:
+            return None
+        return f"each of the {self._num_replicas_in_sync} replicas' part of the global batch"
+
+    def _tfdist_partial_batch_layers(self, model) -> list[str]:
+        """The layers of `model` computing from the batch that see only `_tfdist_batch_part()` of it."""
+        if self._tfdist_batch_part() is None:
+            return []
+        return batch_statistics.batch_dependent_layers(
+            model, norms=not self._tfdist_global_batch_statistics(), losses=not self._tfdist_global_batch_losses()
+        )
+
+    def _tfdist_global_batch_layers(self, model) -> list[str]:
+        """The layers of `model` computing from the global batch here (their all-reduces run in the step)."""
+        return batch_statistics.batch_dependent_layers(
+            model, norms=self._tfdist_global_batch_statistics(), losses=self._tfdist_global_batch_losses()
+        )
+
+    def _tfdist_batch_statistics_advice(self) -> str:
+        """How to get the one-device result: the strategy's option."""
+        name = type(self._container_strategy()).__name__
+        return (
+            f"For the global batch's statistics, as on one device, build the strategy with "
+            f"{name}(batch_statistics='global') (small all-reduces per such layer and step)."
+        )
+
+    def _tfdist_warn_batch_dependent(self, model) -> None:
+        """Warns once per model when layers of `model` compute from a part of the batch only."""
+        if model in _warned_models:
+            return
+        _warned_models.add(model)
+        if self._tfdist_global_batch_losses():
+            batch_statistics.install_moe_hooks()
+        layers = self._tfdist_partial_batch_layers(model)
+        if not layers:
+            return
+        warnings.warn(
+            f"{type(self._container_strategy()).__name__}: {len(layers)} layer(s) of model {model.name!r} compute "
+            f"from the batch in training and see {self._tfdist_batch_part()}, not the whole batch as on one device, "
+            f"so training differs from one device: {', '.join(layers)}. {self._tfdist_batch_statistics_advice()}",
+            UserWarning,
+            stacklevel=2,
+        )
+
     # ---------------------------------------------------------------- XLA
     def _tfdist_jit_compile(self, model) -> None:
-        del model  # supported: `_call_for_each_replica` compiles each replica's step
+        # Supported: `_call_for_each_replica` compiles each replica's step, but not around an all-reduce.
+        layers = self._tfdist_global_batch_layers(model)
+        if layers:
+            raise ValueError(
+                f"jit_compile=True under {type(self._container_strategy()).__name__}(batch_statistics='global'): "
+                f"model {model.name!r} has layers computing from the global batch ({', '.join(layers)}), whose "
+                "all-reduce cannot run inside an XLA-compiled step or layer (XLA on CPU/GPU does not compile "
+                "TensorFlow's collectives). Compile the model with jit_compile=False, or use "
+                "batch_statistics='replica' (each replica's own statistics)."
+            )
 
     def _tfdist_auto_jit(self, model) -> bool:
         # Keras' rule for one device (XLA on accelerators, if every layer supports it), which it turns
@@ -223,6 +310,8 @@ class ExactReplicas(_extended.TfdistExtended):
         from keras.src.trainers import trainer as keras_trainer_lib
 
         on_accelerators = all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in self.worker_devices)
+        if self._tfdist_global_batch_layers(model):
+            return False  # their all-reduces cannot run inside one device's XLA cluster
         return on_accelerators and keras_trainer_lib.model_supports_jit(model)
 
     def _tfdist_defer_apply(self, apply, grads) -> bool:
@@ -257,7 +346,8 @@ class ExactReplicas(_extended.TfdistExtended):
                     raise RuntimeError(
                         f"jit_compile=True under {type(self._container_strategy()).__name__}: each replica's "
                         "step is compiled with XLA on its own device, and this step has a cross-replica "
-                        "operation other than the optimizer's apply (a synchronized BatchNormalization, or "
+                        "operation other than the optimizer's apply (a synchronized BatchNormalization, global "
+                        "batch statistics (batch_statistics='global'), or "
                         "`tf.distribute.get_replica_context().all_reduce` / `merge_call` in a layer or "
                         "`train_step`), which one device's XLA cluster cannot hold. Compile the model with "
                         "jit_compile=False, or move that operation out of the step."
@@ -324,8 +414,10 @@ class ExactReplicas(_extended.TfdistExtended):
 
     # ---------------------------------------------------------------- replicas
     def _call_for_each_replica(self, fn, args, kwargs):
+        model, kind = keras_trainer.keras_step(fn)
+        if model is not None and kind == "train":
+            self._tfdist_warn_batch_dependent(model)
         if self._tfdist_compiles_replicas:
-            model, kind = keras_trainer.keras_step(fn)
             if model is not None and kind in ("train", "test") and model.jit_compile:
                 fn = self._tfdist_compiled_step(fn)
         prepared = self._tfdist_prepare_replicas(fn, args, kwargs or {})

@@ -23,8 +23,17 @@ defaults keep Keras' own behaviour; each strategy overrides what it changes.
 | `_tfdist_auto_jit()`              | Keras' `jit_compile="auto"`                        | False                 |
 | `_tfdist_step_call_context`       | every call of a Keras train/test/predict function  | None: called as is    |
 | `_tfdist_distribute_tensor()`     | Keras' activation layout ("<layer>/output" key)    | the tensor as it is   |
+| `_tfdist_sparse_operands()`       | Keras' elementwise op meeting an IndexedSlices     | the operands as-is    |
 | `_tfdist_defer_variables`         | a Keras variable created in a layer's build        | False: at once        |
 | `_tfdist_place_deferred()`        | the end of that layer's build (or a read before)   | `create()`            |
+| `_tfdist_global_batch_statistics()` | BatchNormalization's moments                     | False: per replica    |
+| `_tfdist_sum_batch_statistics()`  | synchronized moments, global batch statistics      | Keras' all-reduce     |
+| `_tfdist_global_batch_losses()`   | KerasHub MoE balancing losses                      | False: per replica    |
+| `_tfdist_batch_loss()`            | that loss, from its sums                           | over the global batch |
+| `_tfdist_device_copies()`         | `tfdist.check`, reading a variable on each device  | `device_copies()`     |
+| `_tfdist_place_plain_inputs()`    | plain tensors into a function of DTensor variables | (DTensor strategies)  |
+| `_tfdist_plain_outputs()`         | that function's outputs                            | (DTensor strategies)  |
+| `_tfdist_spmd`                    | top-k's gradient, Keras' one_hot (being traced)    | False: TF's, Keras'   |
 
 Outside a replica context (`in_replica()` is None) is where a custom loop without
 `strategy.run` calls the model and the optimizer (DTensor style), in the
@@ -43,7 +52,9 @@ True
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 
 class TfdistExtended:
@@ -58,6 +69,8 @@ class TfdistExtended:
     _tfdist_compiles_replicas = False
     # Whether the variables a layer's build creates wait for the end of the build (tfdist/_compat/deferred_variables).
     _tfdist_defer_variables = False
+    # Whether steps run as one DTensor SPMD program (ops it expands wrongly are replaced: _compat/spmd_ops).
+    _tfdist_spmd = False
 
     def _tfdist_replica_share(self):
         """This replica's examples / the global batch's while a step runs (a scalar tensor), else None.
@@ -157,10 +170,88 @@ class TfdistExtended:
         del layout
         return tensor
 
+    def _tfdist_sparse_operands(self, densify, x1, x2):
+        """The operands of a Keras elementwise op (`add`, `multiply`, `divide`, ...) of which one is an IndexedSlices.
+
+        `densify`: Keras sums the IndexedSlices into a dense tensor (against a dense operand). A strategy whose
+        tensors have layouts (DTensor) lays them out so that it can run the op; by default they are returned as
+        they are.
+        """
+        del densify
+        return x1, x2
+
+    def _tfdist_global_batch_statistics(self) -> bool:
+        """Whether BatchNormalization's moments in training are the global batch's; False: each replica
+        its own part's."""
+        return False
+
+    def _tfdist_sum_batch_statistics(self, values):
+        """Sums per-replica batch statistics (a list of tensors: sums and counts) over the global batch.
+
+        Called in replica context by the moments of `keras.ops.moments(..., synchronized=True)` and,
+        when `_tfdist_global_batch_statistics()`, of BatchNormalization. Gradients flow back through
+        the sum. Default: Keras' own all-reduce (SUM over replicas).
+        """
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, list(values))
+
+    def _tfdist_global_batch_losses(self) -> bool:
+        """Whether loss terms computed from the batch's statistics (KerasHub's MoE load balancing) are
+        the global batch's; False: each replica's (and micro-batch's) own, as Keras computes them."""
+        return False
+
+    def _tfdist_batch_loss(self, sums, loss):
+        """This replica's term of a loss computed from sums over the batch, when `_tfdist_global_batch_losses()`.
+
+        `sums`: this replica's local sums (tensors, gradients flowing back through them); `loss`: the loss as
+        a function of the global sums. Default: `loss` of the sums summed over the replicas
+        (`_tfdist_sum_batch_statistics`).
+        """
+        return loss(self._tfdist_sum_batch_statistics(sums))
+
     def _tfdist_auto_jit(self, model) -> bool:
         """What Keras' `jit_compile="auto"` resolves to for `model` under this strategy (Keras: False)."""
         del model
         return False
+
+
+    def _tfdist_device_copies(self, value) -> list[tuple[str, tuple, np.ndarray]]:
+        """Each device's copy of `value` (a variable of this strategy, eagerly): `[(device, index, array)]`.
+
+        `index` is the tuple of slices of the whole value that the device holds (all of it for a copy).
+        """
+        return device_copies(value)
+
+
+def device_copies(value) -> list[tuple[str, tuple, np.ndarray]]:
+    """Each device's copy of a variable or tensor on the host: `[(device, index, array)]`, read eagerly.
+
+    A mirrored value (`.values`) gives each component whole; a DTensor each
+    local shard with the slices of the whole value it holds; anything else one
+    whole copy. This is what every device would compute with, not a gathered
+    or primary-replica read.
+
+    Example:
+
+    >>> [(index, array.tolist()) for _, index, array in device_copies(tf.Variable([1.0, 2.0]))]
+    [((slice(None, None, None),), [1.0, 2.0])]
+    """
+    value = getattr(value, "value", value) if not isinstance(value, (tf.Tensor, tf.Variable)) else value
+    components = getattr(value, "values", None)
+    if isinstance(components, (tuple, list)):
+        return [(c.device, (slice(None),) * c.shape.rank, np.asarray(c.numpy())) for c in components]
+    tensor = value.read_value() if isinstance(value, tf.Variable) else tf.convert_to_tensor(value)
+    if not dtensor.is_dtensor(tensor):
+        return [(tensor.device, (slice(None),) * tensor.shape.rank, np.asarray(tensor.numpy()))]
+    layout = dtensor.fetch_layout(tensor)
+    mesh = layout.mesh
+    copies = []
+    for device, location, part in zip(mesh.local_devices(), mesh.local_device_locations(), dtensor.unpack(tensor)):
+        index = []
+        for spec, size in zip(layout.sharding_specs, part.shape):
+            start = location[spec] * size if spec in location else 0
+            index.append(slice(start, start + size))
+        copies.append((device, tuple(index), np.asarray(part.numpy())))
+    return copies
 
 
 def extended_of(strategy) -> TfdistExtended | None:

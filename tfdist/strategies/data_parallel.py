@@ -13,6 +13,7 @@ from tfdist.strategies import topology as topology_lib
 
 COMMUNICATION_CHOICES = _mirrored.COMMUNICATION_CHOICES
 GRADIENT_DTYPES = _exact.GRADIENT_DTYPES
+BATCH_STATISTICS = _exact.BATCH_STATISTICS
 
 
 class DataParallelStrategy(tf.distribute.MirroredStrategy):
@@ -39,9 +40,20 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
             the all-reduce (half the bytes to move) and back afterwards;
             weights drift slightly from a float32 all-reduce. The same
             option as `tfdist.MultiWorkerStrategy`'s.
+        batch_statistics: what layers that compute from the batch in
+            training see: "replica" (the default, as under any
+            MirroredStrategy: each replica's part of the global batch, and
+            `fit` warns once, naming them) or "global" (the whole global
+            batch, as on one device: BatchNormalization's mean and variance
+            and KerasHub's MoE load-balancing losses (Mixtral, Qwen-MoE,
+            Qwen3-MoE, Qwen3.5-MoE) are computed from sums all-reduced over
+            the replicas, each weighted by its examples; one small
+            all-reduce per such layer and step). A layer of your own opts in
+            with `keras.ops.moments(x, axes, synchronized=True)`, global under
+            either setting. The same option as `tfdist.MultiWorkerStrategy`'s.
 
     Raises:
-        ValueError: for an unknown `communication` or `gradient_dtype`, a
+        ValueError: for an unknown `communication`, `gradient_dtype` or `batch_statistics`, a
             device that does not exist, a repeated device, or "nccl" on
             CPUs.
 
@@ -63,10 +75,12 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         devices: list[str] | None = None,
         communication: str = "auto",
         gradient_dtype: str | None = None,
+        batch_statistics: str = "replica",
     ):
         devices = devices_lib.device_list(devices)
         _mirrored.validate_communication(communication, devices)
         _validate.one_of("gradient_dtype", gradient_dtype, GRADIENT_DTYPES)
+        _validate.one_of("batch_statistics", batch_statistics, BATCH_STATISTICS)
         _compat.install("data_parallel")
         self._communication = communication
         self._gradient_dtype = gradient_dtype
@@ -74,6 +88,7 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         extended = _mirrored.MirroredExtended(
             self, devices=devices, communication=communication, gradient_dtype=gradient_dtype
         )
+        extended._tfdist_batch_statistics = batch_statistics
         _mirrored.init_strategy(self, extended, "MirroredStrategy")
 
     @property
@@ -87,6 +102,11 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         return self.extended._tfdist_communication
 
     @property
+    def batch_statistics(self) -> str:
+        """What BatchNormalization and MoE balancing losses compute from: "replica" or "global" (see the class)."""
+        return self.extended._tfdist_batch_statistics
+
+    @property
     def topology(self) -> topology_lib.Topology:
         """One process, one replica per device."""
         return topology_lib.Topology(worker_index=0, num_workers=1, data_parallel_size=self.num_replicas_in_sync)
@@ -94,5 +114,6 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
     def __repr__(self):
         return (
             f"DataParallelStrategy(devices={list(self.extended.worker_devices)!r}, "
-            f"communication={self._communication!r}, gradient_dtype={self._gradient_dtype!r})"
+            f"communication={self._communication!r}, gradient_dtype={self._gradient_dtype!r}, "
+            f"batch_statistics={self.batch_statistics!r})"
         )

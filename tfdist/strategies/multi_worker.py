@@ -320,10 +320,15 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             "bfloat16" / "float16": wider float gradients are cast to it for
             the all-reduce (half the bytes on the wire) and back afterwards;
             weights drift slightly from a float32 all-reduce.
+        batch_statistics: "replica" (default: BatchNormalization and MoE
+            load-balancing losses compute from each worker's replica's part
+            of the global batch; `fit` warns once) or "global" (from the
+            global batch, as on one device). See
+            `tfdist.DataParallelStrategy`.
 
     Raises:
-        ValueError: for an unknown `communication`, `sharding` or
-            `gradient_dtype`, or a non-positive timeout.
+        ValueError: for an unknown `communication`, `sharding`,
+            `gradient_dtype` or `batch_statistics`, or a non-positive timeout.
         RuntimeError: when the peers do not join within `join_timeout`.
         tfdist.cluster.ClusterError: for an invalid cluster description.
 
@@ -347,6 +352,7 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         join_timeout: float | None = None,
         sharding: str = "auto",
         gradient_dtype: str | None = None,
+        batch_statistics: str = "replica",
     ):
         _validate.one_of("communication", communication, COMMUNICATION_CHOICES)
         if communication == "nccl" and not tf.config.list_physical_devices("GPU"):
@@ -355,6 +361,7 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             )
         _validate.one_of("sharding", sharding, SHARDING_CHOICES)
         _validate.one_of("gradient_dtype", gradient_dtype, GRADIENT_DTYPES)
+        _validate.one_of("batch_statistics", batch_statistics, _exact.BATCH_STATISTICS)
         timeout = _positive("timeout", timeout, allow_none=True)
         heartbeat_timeout = _positive("heartbeat_timeout", heartbeat_timeout)
         if join_timeout is None:
@@ -399,6 +406,7 @@ class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         if recorder is not None:
             _leave_together(cluster, heartbeat_timeout, "tfdist.MultiWorkerStrategy")
         self._gradient_dtype = gradient_dtype
+        extended._tfdist_batch_statistics = batch_statistics
         _mirrored.init_strategy(self, extended, "MultiWorkerMirroredStrategy")
 
     @property

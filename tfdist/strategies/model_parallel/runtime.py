@@ -20,6 +20,7 @@ from tfdist._compat import dtensor as compat_dtensor
 from tfdist._compat import keras_distribution as keras_distribution_hooks
 from tfdist._compat import step_deadline
 from tfdist._compat import variables as keras_variables
+from tfdist.placement import attributes as attributes_lib
 from tfdist.placement import mesh as mesh_lib
 from tfdist.placement import report as report_lib
 from tfdist.placement import roles as roles_lib
@@ -32,18 +33,21 @@ from tfdist.strategies.model_parallel.variables import gather
 from tfdist.strategies.model_parallel.variables import layout_of
 from tfdist.strategies.model_parallel.variables import replicated
 from tfdist.strategies.model_parallel.variables import shard_value
+from tfdist.strategies.model_parallel.variables import whole_sparse_operands
 
 DataShardingWarning = errors.DataShardingWarning
 # Keras names the gradient accumulators of `gradient_accumulation_steps` "<variable path>_gradient_accumulator".
 ACCUMULATOR_SUFFIX = "_gradient_accumulator"
 
 
-class DTensorBatches:
+class DTensorBatches(tf.distribute.DistributedDataset):
     """Iterable over a dataset whose elements come out as batch-sharded DTensors.
 
-    `iter()` starts the dataset's iterator at once (a reshuffling dataset draws
-    its order then, as a tf.data iterator would), and each element is sharded
-    as it is drawn.
+    What `experimental_distribute_dataset` and `distribute_datasets_from_function`
+    return: a `tf.distribute.DistributedDataset`, which Keras' `fit`, `evaluate`
+    and `predict` take as it is (`tfdist._compat.trainer`). `iter()` starts the
+    dataset's iterator at once (a reshuffling dataset draws its order then, as a
+    tf.data iterator would), and each element is sharded as it is drawn.
     """
 
     def __init__(self, dataset, extended, *, local=False):
@@ -57,7 +61,15 @@ class DTensorBatches:
 
     @property
     def element_spec(self):
+        """The dataset's element spec (global batches: a DTensor's shape is its global shape)."""
         return self._dataset.element_spec
+
+    @property
+    def cardinality(self):
+        """The number of batches, or `tf.data.UNKNOWN_CARDINALITY` / `INFINITE_CARDINALITY` (as a tf.data one's)."""
+        if isinstance(self._dataset, tf.data.Dataset):
+            return int(self._dataset.cardinality())
+        return int(tf.data.UNKNOWN_CARDINALITY)
 
 
 class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDeviceExtended):
@@ -73,6 +85,8 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         auto_shard: an `auto_shard.AutoShard` that also splits variables over
             the batch axis (sharded data parallelism), or None.
     """
+
+    _tfdist_spmd = True
 
     def __init__(
         self, container_strategy, *, mesh, rules, batch_axis, cluster=None, sharding="auto", auto_shard=None
@@ -96,6 +110,7 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         self._rules_checked = weakref.WeakSet()  # models whose unmatched rules were reported
         # Role rules (tfdist.layouts.auto()): a layer's build creates its variables once the block is built.
         self._roles = roles_lib.RoleFinder() if roles_lib.uses_roles(rules) else None
+        compat_dtensor.register_mesh(mesh, self)
 
     # ------------------------------------------------------------------ variables
     @property
@@ -107,18 +122,20 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         with self._own_scope():
             create()
 
-    def plan(self, path, shape, *, trainable=True, role=None):
+    def plan(self, path, shape, *, trainable=True, role=None, attribute_path=None):
         """Where a model variable goes: `(stored spec, compute spec or None, slot spec or None, note, chosen by)`.
 
-        The stored spec is the rules' spec (a path rule's, else the role's,
+        The stored spec is the rules' spec (a path rule's on the Keras `path`,
+        else on its `attribute_path` in a subclassed model, else the role's,
         `roles_lib.Role`), plus the data axis on one dimension under sharded
         data parallelism with shard="weights"; the compute spec (None: as
         stored) is the layout reads take in a step; the slot spec (None: as
         stored) is where its optimizer slots go (shard="optimizer"). "Chosen
-        by" names the rule or role that decided the spec ("" for none).
+        by" names the rule (and the attribute path it matched) or role that
+        decided the spec ("" for none).
         """
-        spec, rule = self.rules.resolve(path, shape, self._axes)
-        notes, chosen_by = [], f"rule {rule}" if rule is not None else ""
+        spec, rule = self.rules.resolve(path, shape, self._axes, attribute_path=attribute_path)
+        notes, chosen_by = [], report_lib.chosen_by_rule(rule, path, attribute_path)
         if rule is None and role is not None:
             spec, rule, note = roles_lib.resolve(self.rules, role, shape, self._axes)
             notes, chosen_by = [note] if note else [], role.description if rule is not None else ""
@@ -172,7 +189,8 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
                 if self._roles is not None:
                     role = self._roles.role_of(keras_variables.creating_variable())
                 spec, compute, slot, note, chosen_by = self.plan(
-                    path, shape, trainable=kwargs.get("trainable", True), role=role
+                    path, shape, trainable=kwargs.get("trainable", True), role=role,
+                    attribute_path=attributes_lib.path_at_creation(keras_variables.creating_variable(), self.rules),
                 )
                 layout = layout_of(spec, self.mesh)
             if compute is not None:
@@ -221,6 +239,32 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         return shard_value(value, dtensor.Layout.batch_sharded(self.mesh, self.batch_axis, rank))
 
     _tfdist_shard_batch = shard_batch  # the *_on_batch hook shards host inputs with it
+
+    def _tfdist_place_plain_inputs(self, tensors):
+        """Plain eager tensors passed to a traced function of this mesh's variables, packed onto the mesh.
+
+        Those whose leading dimension is the batch size (the one most of them
+        share) are split on the batch axis (when it divides it); the others
+        are replicated.
+        """
+        sizes = [t.shape[0] for t in tensors if t.shape.rank]
+        batch = max(sizes, key=sizes.count) if sizes else None
+
+        def place(t):
+            if t.shape.rank and t.shape[0] == batch:
+                return self._shard(t)
+            return shard_value(t, replicated(self.mesh, t.shape.rank))
+
+        return [place(t) for t in tensors]
+
+    def _tfdist_plain_outputs(self, outputs, *, recorded):
+        """The outputs of such a call: plain tensors, or replicated DTensors when a gradient tape may record it."""
+        outputs = self._readable(outputs)
+        if recorded:
+            return outputs
+        return nest.map_structure(
+            lambda v: dtensor.unpack(v)[0] if isinstance(v, tf.Tensor) and dtensor.is_dtensor(v) else v, outputs
+        )
 
     @property
     def batch_groups(self) -> tuple[int, int]:
@@ -425,12 +469,13 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
         return dtensor.relayout(value, dtensor.Layout(specs, self.mesh))
 
     def unmatched_rules(self, model):
-        """`(rule, similar paths)` for each layout rule that matched no weight of `model`.
+        """`(rule, similar paths)` for each layout rule that matched no weight of `model` (Keras or attribute path).
 
         Role rules count as one: all of them are listed (with no similar paths)
         only when they found no role in the model at all.
         """
-        unmatched = self.rules.unmatched(w.path for w in model.weights)
+        attribute_paths = attributes_lib.attribute_paths(model).values()
+        unmatched = self.rules.unmatched((w.path for w in model.weights), attribute_paths)
         if self._roles is not None:
             role_rules = [rule for rule in self.rules if isinstance(rule, roles_lib.RoleRule)]
             found = [getattr(getattr(w, "value", w), "_tfdist_role", None) for w in model.weights]
@@ -451,6 +496,12 @@ class ModelParallelExtended(_extended.TfdistExtended, one_device_strategy.OneDev
                 UserWarning,
                 stacklevel=3,
             )
+
+    def _tfdist_sparse_operands(self, densify, x1, x2):
+        # Inside a step, Keras' sparse arithmetic on an IndexedSlices gradient gets whole operands (see there).
+        if tf.executing_eagerly():
+            return x1, x2
+        return whole_sparse_operands(densify, x1, x2, self.mesh)
 
     def _update(self, var, fn, args, kwargs, group):
         # ZeRO-1: the (replicated) gradient of a weight whose optimizer slots are split is sliced to their layout

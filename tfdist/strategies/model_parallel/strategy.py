@@ -16,6 +16,7 @@ from tfdist import _validate
 from tfdist import cluster as cluster_lib
 from tfdist import flight
 from tfdist._compat import step_deadline
+from tfdist.placement import attributes as attributes_lib
 from tfdist.placement import mesh as mesh_lib
 from tfdist.placement.report import PlacementReport
 from tfdist.placement.report import VariablePlacement
@@ -75,9 +76,12 @@ class ModelParallelStrategy(distribute_lib.Strategy):
     the scope or after it): a model created under the scope builds its
     variables under it wherever it is first called. A traced step takes
     DTensor batches, from `shard_batch((x, y))` or
-    `experimental_distribute_dataset` (DTensor refuses a plain tensor argument
-    of a function whose variables are DTensors); an eager `model(x)` takes
-    numpy or tensors and returns host-readable outputs. Once a model is built,
+    `experimental_distribute_dataset`, or plain tensors: any traced function
+    that reads this mesh's variables (KerasHub's `generate`, a user's
+    `tf.function`) packs its plain tensor arguments onto the mesh (split on
+    the batch axis where their leading dimension is the batch) and returns
+    plain tensors; an eager `model(x)` takes numpy or tensors and returns
+    host-readable outputs. Once a model is built,
     the rules that matched none of its weights are named in one warning.
 
     Across processes (one per host): in a cluster (`cluster`, else
@@ -369,13 +373,17 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             )
         per_device = sum(r.bytes_per_device for r in rows)
         by_path = {r.path: r for r in rows}
+        attribute_paths = attributes_lib.attribute_paths(model)
         misplaced = []
         for w in model.weights:
             # Placed as trainable or not when created (a layer frozen later keeps its variables where they are).
             backing = getattr(w, "value", w)
             created_trainable = getattr(backing, "trainable", w.trainable)
             role = getattr(backing, "_tfdist_role", None)
-            expected = self.extended.plan(w.path, by_path[w.path].shape, trainable=created_trainable, role=role)[0]
+            expected = self.extended.plan(
+                w.path, by_path[w.path].shape, trainable=created_trainable, role=role,
+                attribute_path=attribute_paths.get(id(w)),
+            )[0]
             if expected != by_path[w.path].spec:
                 misplaced.append((w.path, expected, by_path[w.path].spec))
         report = PlacementReport(

@@ -48,6 +48,45 @@ def shard_value(value, layout):
     return dtensor.pack(components, layout)
 
 
+def whole_sparse_operands(densify, x1, x2, mesh):
+    """The operands of a Keras elementwise op that meets an IndexedSlices, laid out so that DTensor can run it.
+
+    Keras' TensorFlow backend keeps an IndexedSlices gradient (an Embedding's)
+    sparse through its arithmetic: against a dense operand, `add` /
+    `subtract` / `maximum` / `minimum` densify it (`densify`: the sum of the
+    rows at their indices), `multiply` / `divide` gather the dense operand at
+    its rows, and `divide` and two IndexedSlices build a union of indices: rows
+    of a count only the step knows, which DTensor cannot lay out split. Here
+    the rows and indices are whole on every device (a relayout, which DTensor's
+    layout propagation does not cross), a densified IndexedSlices is their sum
+    whole, and a dense operand met by rows is whole too (a gather over the mesh:
+    an optimizer that divides its slots into the rows, such as Adagrad,
+    RMSprop, Adadelta and Adafactor, reads those slots whole while it updates
+    the variable). The numbers are Keras' own.
+    """
+
+    def whole(value):
+        if isinstance(value, tf.IndexedSlices):
+            values, indices = whole(value.values), whole(value.indices)
+            if densify:
+                rows = tf.get_static_value(value.dense_shape)
+                rows = value.dense_shape[0] if rows is None else int(rows[0])
+                return whole(tf.math.unsorted_segment_sum(values, indices, rows))  # as tf.convert_to_tensor does
+            return tf.IndexedSlices(values, indices, value.dense_shape)
+        if isinstance(value, (tf.Tensor, tf.Variable)) and value.shape.rank:
+            value = tf.convert_to_tensor(value)
+            return dtensor.relayout(value, replicated(mesh, value.shape.rank))
+        return value
+
+    if densify and isinstance(x1, tf.IndexedSlices) == isinstance(x2, tf.IndexedSlices):
+        densify = False  # two IndexedSlices: Keras unions their indices (whole rows), nothing to densify
+    if not densify or isinstance(x1, tf.IndexedSlices):
+        x1 = whole(x1)
+    if not densify or isinstance(x2, tf.IndexedSlices):
+        x2 = whole(x2)
+    return x1, x2
+
+
 def gather(value):
     """A DTensor as one host tensor (all shards joined)."""
     layout = dtensor.fetch_layout(value)
@@ -101,6 +140,54 @@ class ShardedVariable(dtensor.DVariable):
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
         return super().assign_sub(self._as_layout(delta), use_locking, name, read_value)
+
+    # DTensor (TensorFlow 2.21) lays out none of the ResourceScatter* ops, and Keras' optimizers apply an
+    # IndexedSlices gradient (an Embedding's) with them: `assign_sub` / `assign_add` / `assign` of IndexedSlices
+    # become `scatter_sub` / `scatter_add` / `scatter_update` (plain SGD, Adagrad, RMSprop, Adadelta, Adafactor).
+    # Here each is the dense update that computes what the scatter does, in this variable's layout: the rows of
+    # a repeated index add up (scatter_add / scatter_sub), or the last of them is written (scatter_update, as
+    # TensorFlow's CPU and GPU kernels do). The rows reach the dense update as Keras computed them, so an
+    # optimizer that treats each row apart (Adagrad squares each before they add up) stays as on one device.
+    def _dense(self, value):
+        """`value` (a tensor of this variable's shape) in this variable's layout inside a traced step."""
+        return value if tf.executing_eagerly() else dtensor.relayout(value, self.layout)
+
+    def _summed_rows(self, sparse_delta):
+        """The dense sum of `sparse_delta`'s rows at their indices (a repeated index adds up)."""
+        if not isinstance(sparse_delta, tf.IndexedSlices):
+            raise TypeError(f"sparse_delta is not IndexedSlices: {sparse_delta}")
+        values, indices = self._whole_rows(sparse_delta)
+        return self._dense(tf.math.unsorted_segment_sum(values, indices, self.shape[0]))
+
+    def _whole_rows(self, sparse_delta):
+        """`sparse_delta`'s values and indices, whole on every device inside a traced step.
+
+        The relayout is a boundary: DTensor does not push the variable's layout into Keras' sparse arithmetic
+        that made the rows (it lays out no dynamic dimension split).
+        """
+        values = tf.convert_to_tensor(sparse_delta.values, dtype=self.dtype)
+        indices = sparse_delta.indices
+        if not tf.executing_eagerly():
+            values = dtensor.relayout(values, replicated(self.layout.mesh, values.shape.rank))
+            indices = dtensor.relayout(indices, replicated(self.layout.mesh, 1))
+        return values, indices
+
+    def scatter_add(self, sparse_delta, use_locking=False, name=None):
+        return self.assign_add(self._summed_rows(sparse_delta), name=name)
+
+    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
+        return self.assign_sub(self._summed_rows(sparse_delta), name=name)
+
+    def scatter_update(self, sparse_delta, use_locking=False, name=None):
+        if not isinstance(sparse_delta, tf.IndexedSlices):
+            raise TypeError(f"sparse_delta is not IndexedSlices: {sparse_delta}")
+        values, indices = self._whole_rows(sparse_delta)  # TensorScatterUpdate is laid out only on whole operands
+        rows = tf.tensor_scatter_nd_update(
+            tf.zeros(self.shape, self.dtype), tf.expand_dims(indices, -1), values
+        )  # the last row of a repeated index wins, as in the scatter
+        written = tf.math.unsorted_segment_sum(tf.ones_like(indices, self.dtype), indices, self.shape[0]) > 0
+        written = tf.reshape(written, [-1] + [1] * (self.shape.rank - 1))
+        return self.assign(self._dense(tf.where(written, rows, self.read_value())), name=name)
 
 
 class GatheredVariable(ShardedVariable):

@@ -1,6 +1,8 @@
-"""Micro-batching: a replica's batch split into micro-batches, and their gradients summed."""
+"""Micro-batching: a replica's batch split into micro-batches, their gradients summed, batch losses over all."""
 
 from __future__ import annotations
+
+import contextlib
 
 import tensorflow as tf
 from tensorflow.python.util import nest
@@ -69,12 +71,17 @@ def _add(a, b):
 
 
 class Accumulator:
-    """One step's micro-batch gradients: `add` returns None until the last micro-batch, then the sum."""
+    """One step's micro-batch gradients: `add` returns None until the last micro-batch, then the sum.
 
-    def __init__(self):
+    With `losses` (a `BatchLosses`), the sum includes the gradient its loss terms owe to the earlier
+    micro-batches.
+    """
+
+    def __init__(self, losses: BatchLosses | None = None):
         self.sum = None
         self.last = False
         self.applied = False
+        self.losses = losses
 
     def add(self, grads):
         if self.applied:  # an optimizer inside one that already took the sum (LossScaleOptimizer's inner)
@@ -85,4 +92,103 @@ class Accumulator:
             self.sum = grads
             return None
         self.sum, self.applied = None, True
+        if self.losses is not None:
+            grads = [add(g, e) for g, e in zip(grads, self.losses.earlier_gradients(len(grads)))]
         return grads
+
+
+def _on_gradient(value, record):
+    """`value`, whose gradient, when the backward pass computes it, is also handed to `record`."""
+
+    @tf.custom_gradient
+    def identity(x):
+        def grad(upstream):
+            record(upstream)
+            return upstream
+
+        return tf.identity(x), grad
+
+    return identity(value)
+
+
+class BatchLosses:
+    """A step's loss terms computed from sums over the whole batch (MoE load balancing), across micro-batches.
+
+    One device computes such a term once, from the whole batch's sums. Here each
+    micro-batch's forward pass adds its sums (`add`, by call order: the k-th call
+    of each micro-batch is the same layer); earlier micro-batches add nothing to
+    their loss, and the last adds the term of the global sums (over its replica's
+    micro-batches, all-reduced over the replicas), scaled so that the step's
+    summed, weighted loss holds it once. The last micro-batch's step
+    differentiates it through its own sums; the gradient it receives there is
+    recorded, and `earlier_gradients` takes the same term through the earlier
+    micro-batches' sums to the variables with the step's outer tape
+    (`recording`), which saw every micro-batch's forward pass.
+
+    Args:
+        replica_share: this replica's share of the global batch (1 for one replica).
+        replicas: the number of replicas (the sums are all-reduced over them when more than one).
+        variables: the variables gradients are taken for, in the order of the step's gradients
+            (the model's trainable weights), or None in an evaluation step (no gradients).
+    """
+
+    def __init__(self, replica_share, *, replicas: int, variables):
+        self._replica_share = replica_share
+        self._replicas = replicas
+        self._variables = variables
+        self._calls = []  # per micro-batch: the sums of each call, in call order
+        self._pending = []  # (a term over the earlier micro-batches' sums, its gradient), for the outer tape
+        self._tape = None
+        self._share = None
+        self._last = False
+
+    @contextlib.contextmanager
+    def recording(self):
+        """The step's outer tape around every micro-batch (a training step only)."""
+        if self._variables is None:
+            yield
+            return
+        with tf.GradientTape() as tape:
+            self._tape = tape
+            yield
+
+    def begin(self, share, *, last: bool) -> None:
+        """A micro-batch with `share` of the global batch (0 for a filler standing in for no example) begins."""
+        self._share, self._last = share, last
+        self._calls.append([])
+
+    def add(self, sums, loss):
+        """This micro-batch's term of `loss` (a function of the global `sums`), given its local `sums`."""
+        live = self._share > 0
+        sums = [s * tf.cast(live, s.dtype) for s in sums]  # a filler micro-batch adds nothing
+        k = len(self._calls[-1])
+        self._calls[-1].append(sums)
+        if not self._last:
+            return tf.zeros([], sums[0].dtype)
+        earlier = [tf.add_n(parts) for parts in zip(*(c[k] for c in self._calls[:-1]))]
+
+        def of_global(local, others):
+            total = [a + b for a, b in zip(local, others)]
+            if self._replicas > 1:
+                total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, total)
+            return loss(total)
+
+        # The same number twice: the term, differentiated by this micro-batch's step through its own sums, and
+        # the target of the outer tape through the earlier micro-batches' sums, with the gradient the term gets.
+        value = of_global(sums, [tf.stop_gradient(e) for e in earlier])
+        if self._tape is not None and earlier:
+            target = of_global([tf.stop_gradient(s) for s in sums], earlier)
+            value = _on_gradient(value, lambda upstream: self._pending.append((target, upstream)))
+        # The last micro-batch's loss is weighted by its own share: scaled, the step's loss holds the term once.
+        ratio = tf.math.divide_no_nan(tf.cast(self._replica_share, value.dtype), tf.cast(self._share, value.dtype))
+        return value * ratio
+
+    def earlier_gradients(self, count: int) -> list:
+        """The gradient of the step's batch loss terms through the earlier micro-batches' sums, per variable."""
+        if self._tape is None or not self._pending:
+            return [None] * count
+        targets, upstream = zip(*self._pending)
+        # `earlier_gradients` runs once, at the last micro-batch's apply; the tape stops recording here.
+        grads = self._tape.gradient(list(targets), self._variables, output_gradients=list(upstream))
+        self._pending.clear()
+        return list(grads)

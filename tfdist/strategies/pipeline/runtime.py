@@ -184,6 +184,42 @@ class PipelineExtended(_mirrored.MirroredExtended):
                 f"microbatches in {divisors}."
             )
 
+    # ---------------------------------------------------------------- batch statistics
+    def _tfdist_global_batch_statistics(self) -> bool:
+        # BatchNormalization normalizes the activations a micro-batch's forward pass goes on with: global moments
+        # would have to wait for the later micro-batches. With one micro-batch, across the replicas as DP does.
+        return self._microbatches == 1 and super()._tfdist_global_batch_statistics()
+
+    def _tfdist_global_batch_losses(self) -> bool:
+        return self._tfdist_batch_statistics == "global" and len(self._grid[0]) * self._microbatches > 1
+
+    def _tfdist_batch_loss(self, sums, loss):
+        losses = getattr(self._tfdist_flags(), "batch_losses", None)
+        if losses is None:  # one micro-batch: over the replicas, as data parallelism does
+            return super()._tfdist_batch_loss(sums, loss)
+        return losses.add(sums, loss)
+
+    def _tfdist_batch_part(self) -> str | None:
+        replicas = len(self._grid[0])
+        if replicas * self._microbatches < 2:
+            return None
+        if self._microbatches == 1:
+            return super()._tfdist_batch_part()
+        return (
+            f"one micro-batch (1/{self._microbatches} of each of the {replicas} replicas' part of the global batch; "
+            "every GPipe schedule computes batch statistics per micro-batch)"
+        )
+
+    def _tfdist_batch_statistics_advice(self) -> str:
+        if self._microbatches == 1:
+            return super()._tfdist_batch_statistics_advice()
+        return (
+            "PipelineStrategy(batch_statistics='global') makes MoE load-balancing losses the global batch's; "
+            "BatchNormalization's moments cannot be (a micro-batch's forward pass cannot wait for the others'): "
+            "for the one-device result use microbatches=1, a per-example normalization (LayerNormalization, "
+            "GroupNormalization), or DataParallelStrategy(batch_statistics='global')."
+        )
+
     # ---------------------------------------------------------------- steps
     def _tfdist_accumulate_microbatch(self, grads):
         """Sums gradients over the step's micro-batches: None until the last, then the sum."""
@@ -227,18 +263,27 @@ class PipelineExtended(_mirrored.MirroredExtended):
             parts = [microbatches_lib.split(data, m, m_count, n, static) for m in range(m_count)]
         base_share = _exact.current_example_share()
         flags = self._tfdist_flags()
+        losses = None
+        if kind in ("train", "test") and self._tfdist_global_batch_losses():
+            replica_share = 1.0 if base_share is None else tf.cast(base_share, tf.float32)
+            variables = model.trainable_weights if kind == "train" else None
+            losses = microbatches_lib.BatchLosses(replica_share, replicas=len(self._grid[0]), variables=variables)
         outputs = []
         with tf.device(self._grid[-1][r]):
-            flags.microbatch = microbatches_lib.Accumulator()
+            flags.microbatch = microbatches_lib.Accumulator(losses)
+            flags.batch_losses = losses
             try:
-                for m, (part, count, padded) in enumerate(parts):
-                    share = tf.math.divide_no_nan(tf.cast(count, tf.float32), tf.cast(n, tf.float32))
-                    if base_share is not None:
-                        share = share * tf.cast(base_share, tf.float32)
-                    flags.microbatch.last = m == m_count - 1
-                    outputs.append(_exact.run_weighted(fn, share, padded, model, part))
+                with losses.recording() if losses is not None else contextlib.nullcontext():
+                    for m, (part, count, padded) in enumerate(parts):
+                        share = tf.math.divide_no_nan(tf.cast(count, tf.float32), tf.cast(n, tf.float32))
+                        if base_share is not None:
+                            share = share * tf.cast(base_share, tf.float32)
+                        flags.microbatch.last = m == m_count - 1
+                        if losses is not None:
+                            losses.begin(share, last=m == m_count - 1)
+                        outputs.append(_exact.run_weighted(fn, share, padded, model, part))
             finally:
-                flags.microbatch = None
+                flags.microbatch = flags.batch_losses = None
         if kind == "predict":
             return nest.map_structure(lambda *o: tf.concat(o, axis=0), *outputs)
         return outputs[-1]

@@ -11,6 +11,7 @@ from tfdist import _compat
 from tfdist import _validate
 from tfdist import devices as devices_lib
 from tfdist.placement import pipeline as pipeline_lib
+from tfdist.strategies import _exact
 from tfdist.strategies import _mirrored
 from tfdist.strategies import topology as topology_lib
 from tfdist.strategies.pipeline.runtime import PipelineExtended
@@ -112,6 +113,20 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
             first `stages * replicas` GPUs, else logical CPUs.
         communication: the all-reduce across replicas, as in
             `DataParallelStrategy`.
+        batch_statistics: what layers that compute from the batch in
+            training see. "replica" (the default): each micro-batch's own
+            statistics, as in every GPipe implementation (`fit` warns once,
+            naming the layers). "global": KerasHub's MoE load-balancing
+            losses (Mixtral, Qwen-MoE, Qwen3-MoE, Qwen3.5-MoE) are computed
+            from the per-expert sums of every micro-batch and replica, as on
+            one device: the last micro-batch adds the whole step's loss, and
+            the earlier micro-batches' part of its gradient comes from one
+            more backward pass through their routers' inputs at the end of
+            the step. BatchNormalization normalizes each micro-batch with its
+            own moments either way (a micro-batch's forward pass cannot wait
+            for the others'); with microbatches=1 and replicas > 1, "global"
+            makes its moments the global batch's, as
+            `DataParallelStrategy(batch_statistics="global")` does.
 
     Raises:
         ValueError: invalid arguments (each message names the argument and
@@ -142,11 +157,13 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
         replicas: int = 1,
         devices: list[str] | None = None,
         communication: str = "auto",
+        batch_statistics: str = "replica",
     ):
         stages = _validate.integer("stages", stages)
         microbatches = _validate.integer("microbatches", microbatches)
         replicas = _validate.integer("replicas", replicas)
         _validate.one_of("cost", cost, pipeline_lib.COSTS)
+        _validate.one_of("batch_statistics", batch_statistics, _exact.BATCH_STATISTICS)
         if isinstance(placement, str) and placement != "auto" or not isinstance(placement, (str, Mapping)):
             raise _validate.invalid(
                 "placement",
@@ -181,6 +198,7 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
         extended = PipelineExtended(
             self, grid=grid, microbatches=microbatches, rules=rules, cost=cost, communication=communication
         )
+        extended._tfdist_batch_statistics = batch_statistics
         _mirrored.init_strategy(self, extended, "MirroredStrategy")
 
     @property
@@ -194,6 +212,11 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
     @property
     def replicas(self) -> int:
         return self._replicas
+
+    @property
+    def batch_statistics(self) -> str:
+        """What MoE balancing losses (and, with one micro-batch, BatchNormalization) compute from (see the class)."""
+        return self.extended._tfdist_batch_statistics
 
     @property
     def topology(self) -> topology_lib.Topology:
@@ -213,5 +236,6 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
     def __repr__(self):
         return (
             f"PipelineStrategy(stages={self._stages}, microbatches={self._microbatches}, "
-            f"replicas={self._replicas}, devices={[d for row in zip(*self.extended._grid) for d in row]!r})"
+            f"replicas={self._replicas}, devices={[d for row in zip(*self.extended._grid) for d in row]!r}, "
+            f"batch_statistics={self.batch_statistics!r})"
         )
