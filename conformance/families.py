@@ -108,8 +108,8 @@ def _image(task: str, backbone: Callable) -> Callable:
 
 def _resnet():
     return _hub().ResNetBackbone(
-        input_conv_filters=[8], input_conv_kernel_sizes=[3], stackwise_num_filters=[8, 16], stackwise_num_blocks=[1, 1],
-        stackwise_num_strides=[1, 2], block_type="basic_block", image_shape=IMAGE,
+        input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64], stackwise_num_blocks=[1],
+        stackwise_num_strides=[1], block_type="basic_block", image_shape=IMAGE,
     )
 
 
@@ -133,7 +133,8 @@ def _vit():
 
 
 def _vgg():
-    return _hub().VGGBackbone(stackwise_num_repeats=[1, 1], stackwise_num_filters=[8, 16], image_shape=IMAGE)
+    # One block: its pooled 8 x 8 map still fits the classifier head's 7 x 7 convolution.
+    return _hub().VGGBackbone(stackwise_num_repeats=[1], stackwise_num_filters=[8], image_shape=IMAGE)
 
 
 def _vgg_classifier():
@@ -164,7 +165,7 @@ FAMILIES = {f.name: f for f in (
     Family("gpt2", "causal_lm", _causal("GPT2CausalLM", "GPT2Backbone", num_heads=HEADS, dropout=0.0,
                                         max_sequence_length=SEQ, **_DECODER)),
     Family("gpt_neo_x", "causal_lm", _causal("GPTNeoXCausalLM", "GPTNeoXBackbone", num_heads=HEADS, dropout=0.0,
-                                             max_sequence_length=SEQ, **_DECODER)),
+                                             rotary_percentage=0.5, max_sequence_length=SEQ, **_DECODER)),
     Family("llama", "causal_lm", _causal("LlamaCausalLM", "LlamaBackbone", **_GQA), _layout_map("LlamaBackbone")),
     Family("llama3", "causal_lm", _causal("Llama3CausalLM", "Llama3Backbone", **_GQA), _layout_map("Llama3Backbone")),
     Family("mistral", "causal_lm", _causal("MistralCausalLM", "MistralBackbone", **_GQA)),

@@ -7,7 +7,10 @@ momentum) weights, moving statistics included, within 1e-5 of each variable's la
 float32 rounding through 1/sqrt(variance)). The ResNet's
 global batch of 10 splits 8 + 2, so its last step leaves two replicas without an example (padded:
 they must add nothing to the statistics). With the default batch_statistics="replica", `fit` warns
-exactly once, naming the layers, and training differs from one device. Every check runs in one child
+exactly once, naming the layers, and training differs from one device. Mixtral also trains under a
+`PipelineStrategy` of 2 replicas x 2 stages x 2 micro-batches with the balancing loss over all four parts,
+and its logged loss equals one device's (rtol 1e-6: each replica's step holds its own `add_loss` terms
+once, though the replicas' threads interleave at the loss's all-reduce). Every check runs in one child
 process with 8 logical CPUs (this file is also that child's script).
 """
 
@@ -16,6 +19,8 @@ import os
 import re
 import sys
 import warnings
+
+import numpy as np
 
 if __name__ != "__main__":
     import _procs
@@ -45,6 +50,17 @@ def test_batch_statistics_exact_and_said(tmp_path):
     assert "1 layer(s) of model 'mixtral'" in message, message
     moe_block = r"MixtralSparseMoeBlock '\S*mixtral_sparse_moe_block\S*' \(load-balancing loss\)"
     assert re.search(moe_block, message), message
+    # Logged: each replica's step holds its own `add_loss` terms once (Keras' per-layer lists, made per replica).
+    np.testing.assert_allclose(mixtral["global_loss"], mixtral["one_loss"], rtol=1e-6)
+
+    piped = result["mixtral_pipeline"]
+    assert piped["global_sgd"] < RTOL, piped
+    np.testing.assert_allclose(piped["global_loss"], mixtral["one_loss"], rtol=1e-6)
+    assert piped["global_warnings"] == []
+    assert piped["replica_sgd"] > 1e-4, piped
+    [message] = piped["replica_warnings"]
+    assert "one micro-batch" in message and re.search(moe_block, message), message
+    assert "PipelineStrategy(batch_statistics='global')" in message, message
 
     assert result["pipeline_warnings"] == [result["pipeline_warnings"][0]]
     assert "one micro-batch" in result["pipeline_warnings"][0]
@@ -130,12 +146,25 @@ def _child(out):
     mask = np.ones((16, 6), "int32")
     mask[::3, 4:] = 0
     tokens = ((ids, mask), np.roll(ids, -1, axis=1))
-    one, _, _ = train(mixtral, tokens, None, sgd)
-    exact, _, global_said = train(mixtral, tokens, dp("global"), sgd)
+    one, one_loss, _ = train(mixtral, tokens, None, sgd)
+    exact, exact_loss, global_said = train(mixtral, tokens, dp("global"), sgd)
     per_replica, _, replica_said = train(mixtral, tokens, dp("replica"), sgd)
     results["mixtral"] = {
         "global_sgd": max_diff(one, exact), "replica_sgd": max_diff(one, per_replica),
         "global_warnings": global_said, "replica_warnings": replica_said,
+        "one_loss": one_loss, "global_loss": exact_loss,
+    }
+
+    # The same in a pipeline: 2 replicas x 2 stages x 2 micro-batches (the balancing loss over all four parts).
+    def pipe(batch_statistics):
+        return tfdist.PipelineStrategy(devices=devices[:4], stages=2, microbatches=2, replicas=2,
+                                       batch_statistics=batch_statistics)
+
+    exact, exact_loss, global_said = train(mixtral, tokens, pipe("global"), sgd)
+    per_part, _, part_said = train(mixtral, tokens, pipe("replica"), sgd)
+    results["mixtral_pipeline"] = {
+        "global_sgd": max_diff(one, exact), "replica_sgd": max_diff(one, per_part), "global_loss": exact_loss,
+        "global_warnings": global_said, "replica_warnings": part_said,
     }
 
     pipeline = tfdist.PipelineStrategy(devices=devices[:2], stages=2, microbatches=2)

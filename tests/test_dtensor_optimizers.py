@@ -5,7 +5,7 @@ device and under ModelParallelStrategy(mesh={"batch": 2, "model": 4}) and Sharde
 shard="optimizer" (ZeRO-1) and shard="weights" (ZeRO-3) on the same mesh, with rules that split the
 embedding table (by vocabulary) and the head (by output) over "model". The Embedding's gradient is an
 IndexedSlices with repeated rows, which Keras' optimizers apply with scatters (plain SGD, Adagrad, RMSprop,
-Adafactor) or sparse arithmetic.
+Adadelta, Adafactor) or sparse arithmetic (Adadelta divides rows by a dense slot: `sparse_ops.divide_rows`).
 
 Tolerances: SGD (plain, momentum, Nesterov) weights and slots atol 1e-5; adaptive optimizers per-step
 losses rtol 1e-4 and weights atol 1e-4 (measured: at most 3.9e-5, RMSprop, whose first step divides
@@ -21,7 +21,7 @@ from _procs import run_child
 
 CHILD = os.path.join(REPO, "tests", "_dtensor_optim_child.py")
 SGD_FAMILY = ("sgd", "sgd_momentum", "sgd_nesterov")
-ADAPTIVE = ("adam", "adamw", "adagrad", "rmsprop", "adafactor", "adamax", "nadam", "ftrl", "lion", "lamb")
+ADAPTIVE = ("adam", "adamw", "adagrad", "rmsprop", "adadelta", "adafactor", "adamax", "nadam", "ftrl", "lion", "lamb")
 STRATEGIES = ("model_parallel", "zero1", "zero3")
 SGD_ATOL, LOSS_RTOL, ADAPTIVE_ATOL = 1e-5, 1e-4, 1e-4
 

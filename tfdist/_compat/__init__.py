@@ -7,7 +7,8 @@ replaces, the source it checks (its probe) and the features that need it.
 | feature              | needed by                         | hooks                                                     |
 |----------------------|-----------------------------------|-----------------------------------------------------------|
 | "data_parallel"      | DataParallelStrategy              | loss_scaling, optimizer, lazy_build, trainer, mirrored,   |
-|                      |                                   | batch_statistics (+ KerasHub MoE hooks when trained)      |
+|                      |                                   | batch_statistics (+ KerasHub MoE hooks when trained),     |
+|                      |                                   | layer_losses                                              |
 | "multi_worker"       | MultiWorkerStrategy               | data_parallel's + trainer, step_deadline, keras_callbacks |
 | "model_parallel"     | ModelParallelStrategy             | trainer, variables, dtensor, spmd_ops, optimizer,         |
 |                      |                                   | sparse_ops, layer_call, deferred_variables,               |
@@ -50,6 +51,7 @@ from tfdist._compat import gradients
 from tfdist._compat import keras_callbacks
 from tfdist._compat import keras_distribution
 from tfdist._compat import layer_call
+from tfdist._compat import layer_losses
 from tfdist._compat import lazy_build
 from tfdist._compat import loss_scaling
 from tfdist._compat import mirrored
@@ -91,6 +93,7 @@ HOOKS: tuple[Hook, ...] = (
     *keras_distribution.HOOKS,
     *step_timing.HOOKS,
     *batch_statistics.HOOKS,
+    *layer_losses.HOOKS,
 )
 """The registry: every hook once. `install` and `check_hooks` read it when called."""
 
