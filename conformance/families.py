@@ -171,8 +171,9 @@ FAMILIES = {f.name: f for f in (
     Family("mistral", "causal_lm", _causal("MistralCausalLM", "MistralBackbone", **_GQA)),
     Family("mixtral", "causal_lm", _causal("MixtralCausalLM", "MixtralBackbone", **_GQA, **_EXPERTS),
            batch_statistics="moe_balancing"),
-    Family("gemma", "causal_lm", _causal("GemmaCausalLM", "GemmaBackbone", head_dim=4, **_GQA),
-           _layout_map("GemmaBackbone")),
+    # KerasHub's Gemma layout map splits the key/value heads over "model": 4 of them, as many as query heads.
+    Family("gemma", "causal_lm", _causal("GemmaCausalLM", "GemmaBackbone", head_dim=4,
+                                         **{**_GQA, "num_key_value_heads": HEADS}), _layout_map("GemmaBackbone")),
     Family("gemma3", "causal_lm", _causal("Gemma3CausalLM", "Gemma3Backbone", image_size=16, head_dim=4,
                                           vision_encoder=None, **_GQA)),
     Family("qwen", "causal_lm", _causal("QwenCausalLM", "QwenBackbone", **_GQA), _layout_map("QwenBackbone")),

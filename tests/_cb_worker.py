@@ -59,7 +59,7 @@ class Fault(keras.callbacks.Callback):
         if step == int(OPTS.get("term_at", -1)) and rank == int(OPTS.get("term_rank", rank)):
             print(f"waiting for SIGTERM after step {step}", flush=True)
             deadline = time.monotonic() + 60
-            while not backup._preemption.requested and time.monotonic() < deadline:
+            while not backup._preemption._signalled and time.monotonic() < deadline:
                 time.sleep(0.05)
 
 

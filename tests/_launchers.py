@@ -75,13 +75,13 @@ def kill(pids) -> None:
             os.kill(pid, 9)
 
 
-def start(args, **popen):
+def start(args, *, python: str = sys.executable, **popen):
     """Starts `python -m tfdist.launch ARGS` in a session of its own, output on a pipe."""
     popen.setdefault("stdout", subprocess.PIPE)
     popen.setdefault("stderr", subprocess.STDOUT)
-    return subprocess.Popen(
-        [*LAUNCH, *args], env=_procs.clean_env(), cwd=_procs.REPO, start_new_session=True, **popen
-    )
+    popen.setdefault("env", _procs.clean_env())
+    popen.setdefault("cwd", _procs.REPO)
+    return subprocess.Popen([python, "-m", "tfdist.launch", *args], start_new_session=True, **popen)
 
 
 class Lines:

@@ -4,11 +4,14 @@ The whole matrix (`python3 dev.py conformance`, every KerasHub family of `confor
 every column, written to CONFORMANCE.md) runs by hand like the benchmarks. Here one child process with 8
 logical CPUs (this file is also that child's script) builds every family once (KerasHub's configs change
 between releases: a family that no longer builds, or whose Dropout is left on, fails here first) and runs
-five cells that cover the columns' different mechanisms: KerasHub's own layout map on a MoE (Qwen3-MoE),
-BatchNormalization with global statistics under data parallelism (ResNet), an encoder-decoder under ZeRO-3
-(T5), a pipeline (GPT-2) and `layouts.auto()` on a vision transformer (ViT). Each cell is the matrix's own
-(`conformance.matrix.cell`: `tfdist.check`, SGD with momentum, every gradient and variable at every step
-within 1e-5 of one device's largest entry).
+eight cells that cover the columns' different mechanisms and what each family once broke:
+KerasHub's own layout map on a MoE (Qwen3-MoE), BatchNormalization with global statistics under data
+parallelism (ResNet), a layer created inside another's `call` under data parallelism (EfficientNet's `Add`),
+`layouts.auto()` on an encoder-decoder whose attention creates a weight in `__init__` (T5) and on rotary
+attention with split heads (Gemma 3: the gradient of a stack), a pipeline (GPT-2), and the sharded modes over
+depthwise convolutions (EfficientNet, ZeRO-3) and average pooling (DenseNet, ZeRO-1), whose gradients DTensor
+cannot lay out. Each cell is the matrix's own (`conformance.matrix.cell`: `tfdist.check`, SGD with
+momentum, every gradient and variable at every step within 1e-5 of one device's largest entry, atol 1e-7).
 """
 
 import json
@@ -21,9 +24,12 @@ if __name__ != "__main__":
 CELLS = (
     ("qwen3_moe", "layout_map"),
     ("resnet", "data_parallel"),
-    ("t5", "zero3"),
+    ("efficientnet", "data_parallel"),
+    ("t5", "model_parallel"),
+    ("gemma3", "model_parallel"),
     ("gpt2", "pipeline"),
-    ("vit", "model_parallel"),
+    ("efficientnet", "zero3"),
+    ("densenet", "zero1"),
 )
 
 

@@ -172,6 +172,31 @@ def test_summary_tells_missing_peers_from_those_waiting_too(tmp_path):
     r.close()
 
 
+def test_a_peer_only_behind_is_missing_unless_another_is_gone(tmp_path):
+    """Sync training's skew: peer 2 has not yet written the end of the step this worker finished."""
+    r, out = recorder(tmp_path)
+    now = time.time()
+    open_step = dict(phase="step", name="train", step=10, state="open", last_step=("train", 9, now - 0.1))
+    peers = {
+        1: flight.Status(worker=1, pid=1, host="h", written=now - 0.06, seq=10, start=now - 0.06, **open_step),
+        2: flight.Status(worker=2, pid=2, host="h", written=now - 0.05, seq=10, start=now - 0.05, **open_step),
+    }  # fmt: skip
+    mine = flight.Record(11, "step", "train", 11, now - 0.04)
+
+    def missing(states):
+        text = flight.format_summary(
+            who=r.who, reason="a test", records=[mine], open_records=[mine], last_step=None, addresses=ADDRESSES,
+            peers=peers, states=states, named=[], has_run_dir=True, now=now,
+        )  # fmt: skip
+        return [line.split(":")[:2] for line in text.splitlines() if line.startswith(("  missing: ", "  also"))]
+
+    assert missing({1: "gone", 2: "running"}) == [["  missing", " worker 1 (127.0.0.1"],
+                                                  ["  also behind", " worker 2 (127.0.0.1"]]
+    assert missing({1: "running", 2: "running"}) == [["  missing", " worker 1 (127.0.0.1"],
+                                                     ["  missing", " worker 2 (127.0.0.1"]]
+    r.close()
+
+
 def test_the_launchers_stop_request_makes_the_recorder_report(tmp_path):
     r, out = recorder(tmp_path)
     with r.keras_step("train"):

@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import tempfile
 
@@ -82,30 +83,58 @@ def answer(address: str, port: int) -> str:
         return f"unreachable: {e}"
 
 
+def _runs_as(drop, python: str, path: str) -> bool:
+    """Whether the user `drop` switches to can start `python` and import tfdist.launch from `path`."""
+    probe = subprocess.run(
+        [python, "-c", "import tfdist.launch"], env=_procs.clean_env(PYTHONPATH=path), cwd=path,
+        preexec_fn=drop, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return probe.returncode == 0
+
+
 @pytest.fixture
 def user():
-    """(uid, gid, preexec_fn) the launcher runs as: an unprivileged user when the tests run as root, so that the
-    file ownership check and the private network are tried without privileges."""
+    """(uid, gid, preexec_fn, python, PYTHONPATH) the launcher runs with: an unprivileged user when the tests run
+    as root, so that the file ownership check and the private network are tried without privileges.
+
+    A private checkout (a clone under a directory of mode 0700, or this interpreter under root's home) is not
+    readable by that user: the launcher is stdlib-only, so it then runs from a copy of the package in a
+    directory anyone can read, with the first interpreter that user can start."""
     if os.geteuid() != 0:
-        return os.getuid(), os.getgid(), None
+        return os.getuid(), os.getgid(), None, sys.executable, _procs.REPO
 
     def drop():
         os.setgroups([])
         os.setgid(54321)
         os.setuid(54321)
 
-    return 54321, 54321, drop
+    if _runs_as(drop, sys.executable, _procs.REPO):
+        return 54321, 54321, drop, sys.executable, _procs.REPO
+    staged = tempfile.mkdtemp(prefix="tfdist-launch-code-")
+    os.chmod(staged, 0o755)
+    shutil.copytree(os.path.join(_procs.REPO, "tfdist"), os.path.join(staged, "tfdist"),
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    for root, dirs, files in os.walk(staged):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+    candidates = [sys.executable, getattr(sys, "_base_executable", ""), "/usr/bin/python3", "/usr/local/bin/python3"]
+    usable = [c for c in dict.fromkeys(candidates) if c and os.path.exists(c) and _runs_as(drop, c, staged)]
+    assert usable, f"no interpreter of {candidates} starts as uid 54321 with tfdist copied to {staged}"
+    yield 54321, 54321, drop, usable[0], staged
+    shutil.rmtree(staged, ignore_errors=True)
 
 
 @pytest.mark.parametrize("network", NETWORKS)
 def test_only_the_jobs_workers_reach_a_worker_in_the_private_network(network, user):
-    uid, gid, drop = user
+    uid, gid, drop, python, path = user
     out = tempfile.mkdtemp(prefix="tfdist-launch-")
     os.chown(out, uid, gid)
     token = secrets.token_hex(8)
     proc = start(
-        ["-n", "2", "--grace", "3", f"--network={network}", "--", sys.executable, "-c", LISTENER, out, token],
-        preexec_fn=drop,
+        ["-n", "2", "--grace", "3", f"--network={network}", "--", python, "-c", LISTENER, out, token],
+        python=python, env=_procs.clean_env(PYTHONPATH=path), cwd=path, preexec_fn=drop,
     )
     tree = set()
     try:

@@ -6,8 +6,9 @@ simulates 8 CPUs and writes OUT/result.json; as a test module it runs the scenar
 
 - "dtensor_faults": the DTensor faults tfdist works around (tfdist/_compat/spmd_ops.py), reproduced on a raw
   8-device mesh with TensorFlow's own ops, in a process of their own (a DTensor runtime error poisons its
-  process): when a test here says one is gone, TensorFlow fixed it and the workaround can go. (The third,
-  OneHot split on its depth, shows only inside Qwen3-MoE's own layout map, which the "moe" scenario trains.)
+  process): when a test here says one is gone, TensorFlow fixed it and the workaround can go. (OneHot split
+  on its depth shows only inside Qwen3-MoE's own layout map, which the "moe" scenario trains; the Unpack of a
+  stack's gradient only inside Gemma 3's attention under `layouts.auto()`, a cell of tests/test_conformance.py.)
 - "moe": tiny KerasHub Mixtral (aux loss off, SGD with momentum) under ModelParallelStrategy on {batch: 2,
   model: 4} and {batch: 1, model: 8} with `layouts.auto()`, and ShardedDataParallelStrategy ZeRO-1 and ZeRO-3;
   Mixtral with its aux loss under Adam (ZeRO-3); Qwen3-MoE with KerasHub's own `get_layout_map` on {2, 4}.
@@ -54,6 +55,13 @@ def test_tensorflow_still_expands_top_k_gradient_wrongly_over_a_split_batch(resu
     # TensorFlow's own gradient of top-k after a reshape of a batch-split tensor: out of range or wrong.
     # If this fails, DTensor got it right: drop the "top_k_gradient" hook.
     assert results("dtensor_faults")["top_k_gradient"] != "equal"
+
+
+@pytest.mark.parametrize("fault", ["depthwise_filter_gradient", "avg_pool_gradient"])
+def test_tensorflow_still_cannot_lay_out_these_gradients(results, fault):
+    # If one fails, DTensor lays out that gradient: drop its hook ("depthwise_conv_gradient" or
+    # "avg_pool_gradient"), whose replacement EfficientNet's and DenseNet's training under DTensor uses.
+    assert "does not implement layout propagation" in results("dtensor_faults")[fault]
 
 
 def test_tensorflow_still_cannot_lay_out_dynamic_update_slice(results):
@@ -217,9 +225,9 @@ def _dtensor_faults(tf, np):
     def whole(value):
         return dtensor.pack([value] * 8, dtensor.Layout.replicated(mesh, value.ndim))
 
-    def run(fn, expected, *args):
-        """'equal', 'off by D', or the first line of DTensor's error."""
-        replicated = dtensor.Layout.replicated(mesh, expected.ndim)
+    def run(fn, expected, *args, on=mesh):
+        """'equal', 'off by D', or the first line of DTensor's error (`fn`'s result on mesh `on`)."""
+        replicated = dtensor.Layout.replicated(on, expected.ndim)
         try:
             got = tf.function(lambda *a: dtensor.relayout(fn(*a), replicated))(*args)
             diff = float(np.abs(dtensor.unpack(got)[0].numpy() - expected).max())
@@ -239,6 +247,25 @@ def _dtensor_faults(tf, np):
     expected[:, 2] = 1
     update = lambda c: dynamic_update_slice(c, tf.ones((8, 1)), [0, 2])  # noqa: E731
     repro = {"dynamic_update_slice": run(update, expected, whole(cache))}
+
+    rng = np.random.default_rng(2)
+
+    def gradient(forward, *args):
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            out = forward(*args)
+            loss = tf.reduce_sum(out * out)
+        return tape.gradient(loss, args[-1])
+
+    images = rng.normal(size=(16, 6, 6, 4)).astype("float32")
+    taps = rng.normal(size=(3, 3, 4, 1)).astype("float32")
+    depthwise = lambda x, k: tf.nn.depthwise_conv2d(x, k, (1, 2, 2, 1), "SAME")  # noqa: E731
+    expected = gradient(depthwise, tf.constant(images), tf.constant(taps)).numpy()
+    repro["depthwise_filter_gradient"] = run(lambda x, k: gradient(depthwise, x, k), expected, split(images),
+                                             whole(taps))
+    pool = lambda x: tf.nn.avg_pool2d(x, 2, 2, "VALID")  # noqa: E731
+    expected = gradient(pool, tf.constant(images)).numpy()
+    repro["avg_pool_gradient"] = run(lambda x: gradient(pool, x), expected, split(images))
 
     x = np.random.default_rng(0).normal(size=(16, 3, 8)).astype("float32")
     kernel = np.random.default_rng(1).normal(size=(8, 4)).astype("float32")

@@ -74,3 +74,31 @@ def test_sigterm_saves_backup_and_restore_then_ends_every_worker(procs, tmp_path
     for rank in range(2):
         files = os.listdir(backup_dir / f"worker-{rank}")
         assert any(f"{saved[0]:09d}" in name for name in files), files
+
+
+def test_a_sigterm_that_arrives_during_the_exchange_is_exchanged_at_the_next_check(monkeypatch):
+    """The launcher signals every worker at once; one inside the flag's all-gather must not lose its flag."""
+    import types
+
+    import numpy as np
+
+    from tfdist.callbacks import _preemption
+
+    monkeypatch.setattr(_preemption.topology, "of", lambda strategy: types.SimpleNamespace(num_workers=2))
+    calls = []
+
+    def all_gather_rows(strategy, row):
+        calls.append(list(row))
+        if len(calls) == 1:  # SIGTERM while the collective runs: the handler runs as soon as it returns
+            os.kill(os.getpid(), signal.SIGTERM)
+        return np.array([row, [0.0]])  # the peer: no signal of its own yet
+
+    monkeypatch.setattr(_preemption._workers, "all_gather_rows", all_gather_rows)
+    preemption = _preemption.Preemption(object(), enabled=True, check_steps=1)
+    preemption.start()
+    try:
+        assert not preemption.check(1)  # nobody had the signal when this exchange began
+        assert preemption.check(2) and preemption.requested  # exchanged here, on both workers at once
+        assert preemption.check(3) and calls == [[0.0], [1.0]]  # agreed: no further exchange
+    finally:
+        preemption.stop()

@@ -27,9 +27,10 @@ When a distributed call fails (a dead or stopped peer: TensorFlow's
 `tfdist-launch` stops the job after another worker failed, each surviving
 worker prints one summary to stderr: its last completed step, what it waits
 in and for how long, which peers are missing (index and address) and what
-each last reported. A peer is missing when it is behind this worker, its
-heartbeat is stale, or (on the same host) its process is stopped or gone;
-without a run directory, when TensorFlow's error names it. The whole ring
+each last reported. A peer is missing when its heartbeat is stale or (on
+the same host) its process is stopped or gone, or, when no peer is, when it
+is behind this worker; without a run directory, when TensorFlow's error
+names it. The whole ring
 buffer is written next to the status file (`worker-i.flight.txt`).
 
 Example (one process standing for worker 0 of two; no peer has written a status):
@@ -658,10 +659,12 @@ def format_summary(
 ) -> str:
     """The summary text (see `FlightRecorder.summary`), from what the recorder knows; a few lines.
 
-    A peer is missing when it is behind this worker (an earlier record, or
-    the same one still open after this worker finished it), its heartbeat
-    is older than `STALE_AFTER`, its process (`states`, same host only) is
-    stopped or gone, or, with no status for it, TensorFlow's error names it.
+    A peer is missing when its heartbeat is older than `STALE_AFTER`, its
+    process (`states`, same host only) is stopped or gone, or, with no
+    status for it, TensorFlow's error names it; when no peer is, a peer
+    behind this worker (an earlier record, or the same one still open after
+    this worker finished it) is. When one is, the peers only behind are
+    listed apart ("also behind": alive, failing after it).
 
     Example:
 
@@ -696,7 +699,7 @@ def format_summary(
         lines.append(f"  waiting in: no distributed call (in the program's own code){since}")
     # Progress, comparable between workers: how many records each began, and whether one is still open.
     mine_seq, mine_open = (records[-1].seq if records else 0), current is not None
-    missing = []
+    missing, lagging = [], []
     for i in sorted(peers):
         peer, state = peers[i], states.get(i)
         where = f"worker {i} ({addresses[i]})"
@@ -720,13 +723,28 @@ def format_summary(
         behind = peer.seq < mine_seq or (peer.seq == mine_seq and not mine_open and peer.state == STATE_OPEN)
         if peer.state == STATE_FAILED or peer.reported:
             continue  # it failed too, and says so itself
-        if behind or problems:
+        if problems:
             missing.append(f"{where}: last reported {peer.describe(now)}" + "".join(f"; {p}" for p in problems))
+        elif behind:
+            lagging.append(f"{where}: last reported {peer.describe(now)}")
+    # A peer only behind, alive and heartbeating, is sync training's skew (it has not yet written the end of
+    # the step this worker finished, and is failing with this worker) when another peer is gone, stopped or
+    # silent: that one is missing, the others are said apart. With no such peer, being behind is the
+    # evidence (a peer hung in its own code keeps its heartbeat).
+    also = []
+    if not missing:
+        missing = lagging
+    else:
+        also = lagging
     if missing:
         shown = missing[:_MAX_MISSING_LINES]
         lines += [f"  missing: {m}" for m in shown]
         if len(missing) > len(shown):
             lines.append(f"  missing: and {len(missing) - len(shown)} more")
+        shown = also[:_MAX_MISSING_LINES]
+        lines += [f"  also behind: {m}; alive, its heartbeat current: failing after the missing one" for m in shown]
+        if len(also) > len(shown):
+            lines.append(f"  also behind: and {len(also) - len(shown)} more")
     elif has_run_dir:
         lines.append("  missing: none found (every peer's status is current and not behind this worker)")
     else:

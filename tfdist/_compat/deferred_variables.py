@@ -10,8 +10,9 @@ build of a layer is left uninitialized, as Keras leaves one created in a
 stateless scope (`_value` None, its initializer kept). It belongs to the
 *root*: the outermost of the layers being built (unbuilt, or inside their
 build wrapper) on Keras' name-scope stack around the creation. When the
-root's build returns (Keras' `_post_build`, called at the end of every build),
-the strategy is handed the root and a function that creates them all, in
+root's build returns (Keras' `_post_build`, called at the end of every build;
+in a stateless scope, when Keras initializes its late variables at the
+scope's end), the strategy is handed the root and a function that creates them all, in
 creation order (`_tfdist_place_deferred(root, create)`), with Keras' own
 `_deferred_initialize`; the strategy's variable creator then runs as usual.
 Variables Keras itself initializes late (created in a stateless scope, as
@@ -236,12 +237,34 @@ def create(root) -> None:
     group.extended._tfdist_place_deferred(root, create_all)
 
 
+class _CreateAtScopeEnd:
+    """An entry of Keras' late-initialized variables that creates the pending variables of a root instead.
+
+    A root's build can end inside a stateless scope (its parent traced for shapes by
+    `compute_output_spec`, as KerasHub's T5 layers are when the backbone is built), where no
+    variable may be created; Keras calls `_deferred_initialize()` on every entry when the
+    outermost such scope ends, and this one then has the strategy create the root's.
+    """
+
+    def __init__(self, root):
+        self._root = weakref.ref(root)
+
+    def _deferred_initialize(self):
+        root = self._root()
+        if root is not None:
+            create(root)
+
+
 def _post_build(self):
     _original_post_build(self)
     if global_state.get_global_attribute(_UNINITIALIZED, None) and is_subclassed_model(self):
         with _lock:
             _built_late.append(weakref.ref(self))
-    if not in_stateless_scope() and pending(self):
+    if not pending(self):
+        return
+    if in_stateless_scope():
+        keras.src.backend.common.variables.register_uninitialized_variable(_CreateAtScopeEnd(self))
+    else:
         create(self)
 
 
@@ -282,6 +305,12 @@ HOOKS = (
         "deferred_variables_sublayers",
         keras.src.layers.layer.Layer._flatten_layers,
         ("def _flatten_layers(self, include_self=True, recursive=True)", "deque = collections.deque(self._layers)"),
+        "model_parallel",
+    ),
+    hook(
+        "deferred_variables_scope_end",
+        keras.src.backend.common.variables.initialize_all_variables,
+        ('get_global_attribute("uninitialized_variables")', "v._deferred_initialize()"),
         "model_parallel",
     ),
     hook(

@@ -78,7 +78,7 @@ def _maybe_build(self, call_spec):
     if extended is None:
         return _original_maybe_build(self, call_spec)
     spec = _symbolic_call_spec(call_spec)
-    return extended._tfdist_build_eagerly(_in_keras_scope(lambda: _original_maybe_build(self, spec)))
+    return extended._tfdist_build_eagerly(_in_keras_scope(lambda: _original_maybe_build(self, spec)), owner=self)
 
 
 def build_optimizer(optimizer, trainable_variables) -> None:
@@ -97,7 +97,7 @@ def build_optimizer(optimizer, trainable_variables) -> None:
             optimizer.build(variables)
         optimizer.built = True
 
-    extended._tfdist_build_eagerly(_in_keras_scope(build))
+    extended._tfdist_build_eagerly(_in_keras_scope(build), owner=optimizer)
 
 
 HOOKS = (

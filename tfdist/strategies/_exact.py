@@ -51,6 +51,7 @@ import tensorflow as tf
 from tensorflow.python.autograph.core import ag_ctx
 from tensorflow.python.autograph.impl import api as autograph
 from tensorflow.python.distribute import values as tf_values
+from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.util import nest
 
 from tfdist import _validate
@@ -211,22 +212,39 @@ class ExactReplicas(_extended.TfdistExtended):
         reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sent)
         return [r if r.dtype == g.dtype else tf.cast(r, g.dtype) for r, g in zip(reduced, grads)]
 
-    def _tfdist_build_eagerly(self, build):
-        """Runs `build` once, outside the traced function, in cross-replica context under this strategy.
+    def _tfdist_build_eagerly(self, build, owner=None):
+        """Runs `build` once per `owner`, outside the traced function, in cross-replica context under this strategy.
 
         A MirroredVariable created inside a traced step initializes its other replicas from the primary
         inside the graph, which fails at run time; created eagerly it is like any variable built up front.
+        The replicas' builds meet in one merge call: a layer every replica shares is built once, and a
+        layer each replica creates in its own call (KerasHub's `Add` inside a block's `call`) each.
         """
         strategy = self._container_strategy()
 
-        def eagerly(unused_strategy=None):
+        def eagerly(build):
             with tf.init_scope(), strategy.scope():
                 return build()
 
         context = tf.distribute.get_replica_context()
         if context is None:  # cross-replica context: inside `strategy.scope()`, outside `strategy.run`
-            return eagerly()
-        return context.merge_call(eagerly)
+            return eagerly(build)
+
+        def merged(unused_strategy, owners, builds):
+            builds = builds.values if isinstance(builds, tf.distribute.DistributedValues) else (builds,)
+            if isinstance(owners, tf.distribute.DistributedValues):
+                owners = owners.values
+            else:
+                owners = (owners,) * len(builds)
+            if owners[0] is None or all(o is owners[0] for o in owners):
+                return eagerly(builds[0])
+            done = {}
+            for o, b in zip(owners, builds, strict=True):
+                if id(o) not in done:
+                    done[id(o)] = eagerly(b)
+            return values_lib.PerReplica(tuple(done[id(o)] for o in owners))
+
+        return context.merge_call(merged, args=(owner, build))
 
     # ---------------------------------------------------------------- batch statistics
     def _tfdist_global_batch_statistics(self) -> bool:

@@ -123,8 +123,9 @@ class TfdistExtended:
         """Raises ValueError when `fit`'s global `batch_size` (None: unknown) cannot be used."""
         del batch_size
 
-    def _tfdist_build_eagerly(self, build):
-        """Runs `build` (a layer's or optimizer's first build, met inside a traced step); returns its result."""
+    def _tfdist_build_eagerly(self, build, owner=None):
+        """Runs `build` (the first build of `owner`, a layer or optimizer, inside a traced step); returns its result."""
+        del owner
         return build()
 
     def _tfdist_place_deferred(self, root, create) -> None:
