@@ -4,6 +4,7 @@ Tests that need another device configuration, or that must start TensorFlow in a
 way, run in a subprocess of their own (the `python_subprocess` fixture: `_procs.run_python`).
 """
 
+import gc
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -15,6 +16,20 @@ import tfdist  # noqa: E402
 
 NUM_TEST_DEVICES = 8
 TEST_DEVICES = tfdist.simulate_devices(NUM_TEST_DEVICES)
+
+
+@pytest.fixture(autouse=True)
+def _frozen_heap():
+    """Collects, then freezes, what survives up to each test: Python's cyclic collector skips it from then on.
+
+    The pytest process' heap grows with every test (TensorFlow and Keras alone leave ~500,000 objects, and
+    traced graphs and models stay in their caches). Tracing allocates heavily, which keeps triggering full
+    collections, each rescanning that whole heap: a fit of 8 steps on a 2-replica strategy took 16 s after
+    15 tests of its file and 1.2 s with the heap frozen (125 s once late in the suite, 0.3 s alone).
+    """
+    gc.collect()
+    gc.freeze()
+    yield
 
 
 @pytest.fixture
