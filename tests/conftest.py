@@ -1,13 +1,18 @@
 """Test setup: the pytest process splits its CPU into 8 logical devices before TensorFlow starts.
 
+The one conftest.py, at the root of tests/ (the test modules are laid out by area in its folders: README.md):
+it puts tests/_support, the shared helpers, on sys.path, so that every test module can `import _procs`.
+
 Tests that need another device configuration, or that must start TensorFlow in a particular
 way, run in a subprocess of their own (the `python_subprocess` fixture: `_procs.run_python`).
 """
 
 import gc
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_support"))
 
 import _procs  # noqa: E402
 import pytest  # noqa: E402
