@@ -101,7 +101,8 @@ def user():
     readable by that user: the launcher is stdlib-only, so it then runs from a copy of the package in a
     directory anyone can read, with the first interpreter that user can start."""
     if os.geteuid() != 0:
-        return os.getuid(), os.getgid(), None, sys.executable, _procs.REPO
+        yield os.getuid(), os.getgid(), None, sys.executable, _procs.REPO
+        return
 
     def drop():
         os.setgroups([])
@@ -109,7 +110,8 @@ def user():
         os.setuid(54321)
 
     if _runs_as(drop, sys.executable, _procs.REPO):
-        return 54321, 54321, drop, sys.executable, _procs.REPO
+        yield 54321, 54321, drop, sys.executable, _procs.REPO
+        return
     staged = tempfile.mkdtemp(prefix="tfdist-launch-code-")
     os.chmod(staged, 0o755)
     shutil.copytree(os.path.join(_procs.REPO, "tfdist"), os.path.join(staged, "tfdist"),
