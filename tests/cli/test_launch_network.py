@@ -85,10 +85,13 @@ def answer(address: str, port: int) -> str:
 
 def _runs_as(drop, python: str, path: str) -> bool:
     """Whether the user `drop` switches to can start `python` and import tfdist.launch from `path`."""
-    probe = subprocess.run(
-        [python, "-c", "import tfdist.launch"], env=_procs.clean_env(PYTHONPATH=path), cwd=path,
-        preexec_fn=drop, capture_output=True, timeout=60,
-    )  # fmt: skip
+    try:
+        probe = subprocess.run(
+            [python, "-c", "import tfdist.launch"], env=_procs.clean_env(PYTHONPATH=path), cwd=path,
+            preexec_fn=drop, capture_output=True, timeout=60,
+        )  # fmt: skip
+    except PermissionError:  # the interpreter itself is out of that user's reach (a private checkout's venv)
+        return False
     return probe.returncode == 0
 
 
