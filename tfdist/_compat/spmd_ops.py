@@ -237,74 +237,37 @@ def slice_update(inputs, start_indices, updates):
     return values if lands is None else tf.where(lands, values, inputs)
 
 
-def _register_top_k_gradient() -> None:
-    """Points TensorFlow's gradient registry entries of TopK and TopKV2 at `nn_grad._TopKGrad` (now replaced)."""
-    for name in _TOP_K_OPS:
-        tf_ops._gradient_registry._registry[name]["type"] = nn_grad._TopKGrad
-
-
-def _register_pack_gradient() -> None:
-    """Points TensorFlow's gradient registry entry of Pack at `array_grad._PackGrad` (now replaced)."""
-    tf_ops._gradient_registry._registry["Pack"]["type"] = array_grad._PackGrad
-
-
-def _register_window_gradients() -> None:
-    """Points TensorFlow's gradient registry entries of DepthwiseConv2dNative and AvgPool at nn_grad's (replaced)."""
-    tf_ops._gradient_registry._registry["DepthwiseConv2dNative"]["type"] = nn_grad._DepthwiseConv2dNativeGrad
-    tf_ops._gradient_registry._registry["AvgPool"]["type"] = nn_grad._AvgPoolGrad
-
-
 def _registered(name: str, replacement, original):
     """The function TensorFlow's gradient registry holds for op `name` (its source is a hook's probe)."""
     entry = tf_ops._gradient_registry._registry.get(name, {}).get("type")
     return entry if entry is not replacement else original
 
 
-def _registered_pack_gradient():
-    """The function TensorFlow's gradient registry holds for Pack (its source is the hook's probe)."""
-    entry = tf_ops._gradient_registry._registry.get("Pack", {}).get("type")
-    return entry if entry is not pack_gradient else _original_pack_grad
+def _gradient_hook(name: str, ops: tuple, module, attribute: str, replacement, original, probe: tuple):
+    """A hook replacing TensorFlow's gradient function `module.attribute` of `ops` with `replacement`.
 
+    TensorFlow's registry holds the function object itself, so after the patch its entries of `ops` are
+    pointed at the module's (now replaced) attribute.
+    """
 
-def _registered_top_k_gradient():
-    """The function TensorFlow's gradient registry holds for TopKV2 (its source is the hook's probe)."""
-    entry = tf_ops._gradient_registry._registry.get("TopKV2", {}).get("type")
-    return entry if entry is not top_k_gradient else _original_top_k_grad
+    def repoint() -> None:
+        for op in ops:
+            tf_ops._gradient_registry._registry[op]["type"] = getattr(module, attribute)
+
+    return hook(name, _registered(ops[-1], replacement, original), probe, "model_parallel",
+                patch=(module, attribute, replacement), after=repoint)  # fmt: skip
 
 
 HOOKS = (
-    hook(
-        "top_k_gradient",
-        _registered_top_k_gradient(),
-        ("array_ops.scatter_nd(", "math_ops.range(0,", "[math_ops.reduce_prod(in_shape)]"),
-        "model_parallel",
-        patch=(nn_grad, "_TopKGrad", top_k_gradient),
-        after=_register_top_k_gradient,
-    ),
-    hook(
-        "pack_gradient",
-        _registered_pack_gradient(),
-        ('axis=op.get_attr("axis")', "array_ops_stack.unstack("),
-        "model_parallel",
-        patch=(array_grad, "_PackGrad", pack_gradient),
-        after=_register_pack_gradient,
-    ),
-    hook(
-        "depthwise_conv_gradient",
-        _registered("DepthwiseConv2dNative", depthwise_conv_gradient, _original_depthwise_grad),
-        ("gen_nn_ops.depthwise_conv2d_native_backprop_filter(", "array_ops.shape(op.inputs[1])"),
-        "model_parallel",
-        patch=(nn_grad, "_DepthwiseConv2dNativeGrad", depthwise_conv_gradient),
-        after=_register_window_gradients,
-    ),
-    hook(
-        "avg_pool_gradient",
-        _registered("AvgPool", avg_pool_gradient, _original_avg_pool_grad),
-        ("gen_nn_ops.avg_pool_grad(", 'op.get_attr("ksize")'),
-        "model_parallel",
-        patch=(nn_grad, "_AvgPoolGrad", avg_pool_gradient),
-        after=_register_window_gradients,
-    ),
+    _gradient_hook("top_k_gradient", _TOP_K_OPS, nn_grad, "_TopKGrad", top_k_gradient, _original_top_k_grad,
+                   ("array_ops.scatter_nd(", "math_ops.range(0,", "[math_ops.reduce_prod(in_shape)]")),
+    _gradient_hook("pack_gradient", ("Pack",), array_grad, "_PackGrad", pack_gradient, _original_pack_grad,
+                   ('axis=op.get_attr("axis")', "array_ops_stack.unstack(")),
+    _gradient_hook("depthwise_conv_gradient", ("DepthwiseConv2dNative",), nn_grad, "_DepthwiseConv2dNativeGrad",
+                   depthwise_conv_gradient, _original_depthwise_grad,
+                   ("gen_nn_ops.depthwise_conv2d_native_backprop_filter(", "array_ops.shape(op.inputs[1])")),
+    _gradient_hook("avg_pool_gradient", ("AvgPool",), nn_grad, "_AvgPoolGrad", avg_pool_gradient,
+                   _original_avg_pool_grad, ("gen_nn_ops.avg_pool_grad(", 'op.get_attr("ksize")')),
     hook(
         "one_hot",
         _original_one_hot,
