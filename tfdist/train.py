@@ -348,8 +348,13 @@ def _print_summary(rows: list[tuple[str, str]]) -> None:
     sys.stdout.flush()
 
 
+_stopped_by: int | None = None  # the signal that stopped this process
+
+
 def _terminated(signum, frame) -> NoReturn:
     """SIGTERM (a scheduler's stop, tfdist-launch forwarding Ctrl-C): end now, running the cleanup."""
+    global _stopped_by
+    _stopped_by = signum
     print(f"tfdist-train: stopped by signal {signum} (SIGTERM)", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 
@@ -472,6 +477,13 @@ def main(argv: list[str]) -> int:
         checkpoint_files.write_keras_model(model, model_path)
     except tfdist_callbacks.CheckpointWriteError as e:  # disk full, directory not writable: no traceback
         _fail(str(e))
+    except Exception:
+        # A SIGTERM that arrives while a step waits in TensorFlow is handled as the step's error is raised:
+        # pybind11 then reports the SystemExit as a RuntimeError ("MISMATCH of original and normalized active
+        # exception types"), or a peer stopped first fails the step. Either way the job was stopped: say only that.
+        if _stopped_by is not None:
+            raise SystemExit(128 + _stopped_by) from None
+        raise
     trained = history.history["val_loss"][-1]
 
     rate = history.history.get("tokens_per_sec", [None])[-1]

@@ -13,9 +13,11 @@ import time
 import _procs
 
 # The launcher's grace before SIGKILL is far longer than the bound: ending in time means the
-# workers ended on SIGTERM itself.
+# workers ended on SIGTERM itself. From the signal to the launcher's exit took 1.2-4.8 s over 26 runs on
+# 2 cores (most of it TensorFlow's teardown at interpreter exit); a worker that waited at the exit barrier
+# for a peer stuck in a step took 20-42 s.
 GRACE = 60
-BOUND = 5.0
+BOUND = 10.0
 
 
 def _launch(procs, tmp_path, *command):
@@ -56,6 +58,7 @@ def test_sigterm_ends_tfdist_train_workers_promptly_and_cleans_up(procs, tmp_pat
     assert seconds < BOUND, (seconds, log[-3000:])
     assert "killing them" not in log, log[-3000:]
     assert len(re.findall(r"stopped by signal 15 \(SIGTERM\)", log)) == 2, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]  # also when the signal finds a worker inside a step
     # The non-chief worker's temporary model directory was removed by its exit handler.
     assert not [p for p in os.listdir(tmp_path / "tmp") if p.startswith("tfdist-train-")], os.listdir(tmp_path / "tmp")
 

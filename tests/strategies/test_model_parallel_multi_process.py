@@ -321,3 +321,37 @@ def test_bad_input_gets_clear_errors(python_subprocess):
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.split(" ", 1)[0] in (
         "size", "rows", "env", "late"))
     assert lines == {k: "OK" for k in ("size", "rows", "env", "late")}, result.stdout + result.stderr[-3000:]
+
+
+def test_a_poisoned_call_naming_no_task_is_explained_by_the_peer_that_no_longer_listens():
+    """A call cancelled after a peer's failure ("Function was cancelled before it was started") names no task."""
+    import socket
+    import types
+
+    from tensorflow.python.framework import errors
+
+    from tfdist import cluster as cluster_lib
+    from tfdist.strategies.model_parallel import multi_process
+
+    listening, peer = socket.socket(), socket.socket()
+    for s in (listening, peer):
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()
+    alive, other = (f"127.0.0.1:{s.getsockname()[1]}" for s in (listening, peer))
+    try:
+        cancelled = errors.CancelledError(None, None, "Function was cancelled before it was started")
+        cluster = cluster_lib.Cluster(workers=[alive, other, dead], task_index=0)
+        me = types.SimpleNamespace(_cluster=cluster, _me=f"worker 0 ({alive})")
+        explained = multi_process.ProcessWatchdog._explain(me, cancelled)
+        assert isinstance(explained, errors.CancelledError)
+        assert explained.message.startswith(f"tfdist.ModelParallelStrategy: worker 0 ({alive}) lost worker 2 ({dead}) ")
+        every_peer_listens = cluster_lib.Cluster(workers=[alive, other], task_index=0)
+        me = types.SimpleNamespace(_cluster=every_peer_listens, _me=f"worker 0 ({alive})")
+        assert multi_process.ProcessWatchdog._explain(me, cancelled) is None
+    finally:
+        listening.close()
+        peer.close()

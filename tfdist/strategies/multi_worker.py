@@ -233,6 +233,10 @@ def _leave_together(cluster: cluster_lib.Cluster, heartbeat_timeout: float, who:
 def _wait_for_peers_at_exit(cluster: cluster_lib.Cluster, wait: float, who: str) -> None:
     if getattr(sys, "last_value", None) is not None:  # set by Python for an uncaught exception
         return
+    if _terminated_by is not None:
+        # Stopped by a signal (a scheduler or tfdist-launch stops every worker): a peer may be inside a step
+        # that waits for this process and will not reach the barrier until this process is gone.
+        return
     try:
         context.async_wait()  # this process' own ops first: a failed one means it is failing
     except tf.errors.OpError:
@@ -270,7 +274,24 @@ def _keep_sigterm_handler():
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        # A Python handler runs only between bytecodes: the default action (ending the process at once, even
+        # inside a step) stays the default action.
+        signal.signal(signal.SIGTERM, _NotingHandler(previous) if callable(previous) else previous or signal.SIG_DFL)
+
+
+_terminated_by: int | None = None  # the signal that is ending this process, seen by _NotingHandler
+
+
+class _NotingHandler:
+    """A SIGTERM handler that notes the signal (the exit then skips the peers' barrier) and runs `previous`."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, signum, frame):
+        global _terminated_by
+        _terminated_by = signum
+        return self.previous(signum, frame)
 
 
 class MultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):

@@ -361,11 +361,17 @@ class ProcessWatchdog:
         """`error` (a TensorFlow error of a distributed call) with the lost workers named, or None to keep it."""
         from tensorflow.python.framework import errors
 
-        if not isinstance(error, (errors.UnavailableError, errors.AbortedError, errors.InternalError)):
+        if not isinstance(
+            error, (errors.UnavailableError, errors.AbortedError, errors.InternalError, errors.CancelledError)
+        ):
             return None
-        tasks = sorted({int(t) for t in re.findall(rf"/job:{JOB_NAME}/(?:replica:\d+/)?task:(\d+)", error.message)})
-        lost = [f"worker {t} ({self._cluster.addresses[t]})" for t in tasks if t < self._cluster.num_workers]
-        lost = [w for w in lost if not w.startswith(f"worker {self._cluster.rank} ")]
+        tasks = {int(t) for t in re.findall(rf"/job:{JOB_NAME}/(?:replica:\d+/)?task:(\d+)", error.message)}
+        tasks = {t for t in tasks if t < self._cluster.num_workers and t != self._cluster.rank}
+        if not tasks:
+            # A later call poisoned by a peer's earlier failure ("Function was cancelled before it was started")
+            # names no task: the peers whose servers no longer accept connections are the lost ones.
+            tasks = {t for t, a in enumerate(self._cluster.addresses) if t != self._cluster.rank and not _reachable(a)}
+        lost = [f"worker {t} ({self._cluster.addresses[t]})" for t in sorted(tasks)]
         if not lost:
             return None
         first = error.message.strip().splitlines()[0]
@@ -379,6 +385,18 @@ class ProcessWatchdog:
         if self._process.poll() is None:
             self._process.stdin.close()
             self._process.wait()
+
+
+def _reachable(address: str, timeout: float = 1.0) -> bool:
+    """Whether a TensorFlow server listens at `address` ("host:port")."""
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
 
 
 class _Running:
