@@ -2,7 +2,7 @@
 """Sets up a virtual environment in .venv and runs tfdist's main job or its test suite.
 
     python3 dev.py train [tfdist-train flags]   # the default training job
-    python3 dev.py test [pytest arguments]      # ruff, then the whole test suite
+    python3 dev.py test [pytest arguments]      # ruff, then the whole test suite (or the tests named)
     python3 dev.py conformance [arguments]      # KerasHub families x strategies -> CONFORMANCE.md (by hand)
 
 Needs only Python 3.10+ with venv. The first run installs tfdist and its pinned
@@ -63,8 +63,33 @@ def main(argv: list[str]) -> int:
     if lint.returncode:
         print("ruff found problems (above).", file=sys.stderr)
         return lint.returncode
-    # Exit code 5 (no test collected) counts as a failure like any other non-zero code.
-    return subprocess.run([PYTHON, "-m", "pytest", *(rest or ["tests"])], cwd=ROOT, env=env).returncode
+    if rest:  # the user's selection, as given
+        # Exit code 5 (no test collected) counts as a failure like any other non-zero code.
+        return subprocess.run([PYTHON, "-m", "pytest", *rest], cwd=ROOT, env=env).returncode
+    return _whole_suite(env)
+
+
+# The whole suite in two runs: the tests two at a time (one pytest worker per core, each test module on one
+# worker, so that a module's shared child process runs once), then those marked `serial` (they bound how long
+# a worker takes to end, or wait on short timeouts of their own) alone.
+PHASES = (
+    ("two at a time", ["-n", "2", "--dist", "loadfile", "-m", "not serial"]),
+    ("alone", ["-m", "serial"]),
+)
+
+
+def _whole_suite(env: dict) -> int:
+    import time
+
+    took, code = [], 0
+    for name, args in PHASES:
+        print(f"+ pytest, the tests that run {name}: {' '.join(args)}", flush=True)
+        start = time.monotonic()
+        returncode = subprocess.run([PYTHON, "-m", "pytest", *args, "tests"], cwd=ROOT, env=env).returncode
+        took.append(f"{name} {(time.monotonic() - start) / 60:.1f} min")
+        code = code or returncode  # exit code 5 (no test collected) counts as a failure too
+    print(f"pytest: {'; '.join(took)}", flush=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ def test_data_parallel_crash_then_sigterm_then_resume_equals_uninterrupted(procs
     _assert_same(tmp_path / "x.npz", tmp_path / "ref.npz")
 
 
+@pytest.mark.serial  # bounds the seconds from SIGTERM to the save
 def test_multi_worker_crash_and_sigterm_to_one_worker_resume_equals_uninterrupted(procs, tmp_path):
     backup, ckpt = tmp_path / "backup", tmp_path / "ckpt"
     opts = {"backup": backup, "save_freq": 2}

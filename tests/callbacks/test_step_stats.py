@@ -238,6 +238,7 @@ def runs(tmp_path_factory):
         procs.kill_all()
 
 
+@pytest.mark.serial  # names a worker slowed by 100 ms a step
 @pytest.mark.parametrize("mode", ["multi", "model"])
 def test_a_worker_slowed_in_its_input_is_named_with_its_lag(runs, mode):
     addresses, results = runs[mode]
@@ -261,6 +262,7 @@ def test_a_worker_slowed_in_its_input_is_named_with_its_lag(runs, mode):
     assert results[0]["slow"]["logs"]["slowest_worker"] == [1]
 
 
+@pytest.mark.serial  # no straggler among even workers
 def test_workers_without_a_delay_name_no_straggler_over_200_steps(runs):
     _, results = runs["multi"]
     reports = results[0]["even"]["reports"]

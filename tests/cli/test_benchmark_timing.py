@@ -10,6 +10,8 @@ import tensorflow as tf
 
 from benchmarks import _timing
 
+pytestmark = pytest.mark.serial  # compares step times with sleeps of 1 s
+
 SLEEP = 1.0
 
 

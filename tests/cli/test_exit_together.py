@@ -61,6 +61,7 @@ def test_a_peer_later_than_the_wait_is_named_and_the_run_still_succeeds(procs, t
     assert "leaves before every peer" not in procs.log(indices[1])  # worker 0 said it
 
 
+@pytest.mark.serial  # bounds how long the failing worker takes to leave
 def test_a_failing_worker_leaves_at_once(procs, tmp_path):
     """An uncaught error ends worker 1 without the wait (heartbeat_timeout=6: it would wait up to 12 s)."""
     indices, outs = _job(procs, tmp_path, "mp", heartbeat=6, fail=(0, 1))

@@ -376,6 +376,7 @@ def _check_survivors(log, frozen, victim):
     return report, addresses
 
 
+@pytest.mark.serial  # a collective timeout, bounded
 def test_a_stopped_worker_is_named_by_every_survivor_within_the_collective_timeout(procs, tmp_path):
     """SIGSTOP: the step deadline (timeout=6 s, before TensorFlow's 10-s heartbeat) ends the survivors' wait."""
     log, frozen, summaries, _ = _signal_a_training_worker(
@@ -398,6 +399,7 @@ def test_a_stopped_worker_is_named_by_every_survivor_within_the_collective_timeo
     assert all(f"last reported {frozen.label} (" in line for line in report if line.startswith("  worker 1 ")), report
 
 
+@pytest.mark.serial  # bounds when each survivor reports
 def test_a_killed_worker_is_named_by_every_survivor_and_the_report_gives_its_signal(procs, tmp_path):
     """SIGKILL of worker 0 (TensorFlow's coordination leader): the survivors' collectives fail at once."""
     log, frozen, summaries, run_dir = _signal_a_training_worker(
@@ -440,6 +442,7 @@ RECORDING_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.serial  # the report must come before the launcher's stop
 def test_the_launcher_has_the_survivors_report_before_it_stops_them(procs, tmp_path):
     job, run_dir = _start_job(procs, tmp_path, 3, [sys.executable, "-c", RECORDING_WORKER], grace=30)
     launcher = procs.procs[job]

@@ -74,6 +74,7 @@ def test_workers_get_their_tf_config_and_prefixed_output():
     assert "[tfdist-launch] all workers finished" in result.stdout
 
 
+@pytest.mark.serial  # bounds how long the launcher takes to end the job
 def test_a_failed_worker_stops_the_others_and_sets_the_exit_status():
     start = time.monotonic()
     result = run(launch_cmd("-n", "3", "--grace", "5", mode="fail"))
@@ -118,6 +119,7 @@ def test_signals_are_forwarded_to_every_worker(sig, network):
     assert_gone(pids(output, 2))
 
 
+@pytest.mark.serial  # times the grace period
 def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period():
     code, output, seconds = _start_and_signal("ignore", signal.SIGTERM, grace="2")
     assert code == 128 + signal.SIGTERM, output
@@ -126,6 +128,7 @@ def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period():
     assert_gone(pids(output, 2))
 
 
+@pytest.mark.serial  # a join timeout, bounded
 def test_workers_that_never_join_are_bounded():
     start = time.monotonic()
     result = run(launch_cmd("-n", "2", "--join_timeout", "3", "--grace", "2", mode="sleep"))

@@ -17,6 +17,8 @@ from _launchers import kill
 from _launchers import start
 from _launchers import wait_gone
 
+pytestmark = pytest.mark.serial  # waits on processes ending within bounds
+
 # A worker that leaves its PID in the directory argv[1], then sleeps (or exits after argv[2] seconds).
 SLEEPER = r"""
 import os, sys, time

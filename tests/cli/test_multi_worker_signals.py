@@ -11,6 +11,9 @@ import sys
 import time
 
 import _procs
+import pytest
+
+pytestmark = pytest.mark.serial  # bounds the seconds from SIGTERM to the job's end
 
 # The launcher's grace before SIGKILL is far longer than the bound: ending in time means the
 # workers ended on SIGTERM itself. From the signal to the launcher's exit took 1.2-4.8 s over 26 runs on

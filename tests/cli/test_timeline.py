@@ -182,6 +182,7 @@ def test_merge_warns_when_the_same_step_does_not_overlap_on_two_workers(tmp_path
         timeline.merge(tmp_path)
 
 
+@pytest.mark.serial  # bounds the merge's wait
 def test_merge_waits_a_bounded_time_then_names_each_missing_worker(tmp_path):
     run = tmp_path / "plugins" / "profile" / "r1"
     _write(run, "worker-0.xplane.pb", _xspace(steps=[(1, 0, 10)]))
@@ -375,6 +376,7 @@ TF_PROFILER_ABORT = re.compile(r"\[worker [1-9]\]\s+File \".*profiler_v2\.py\", 
 ATTEMPTS = 3
 
 
+@pytest.mark.serial  # each worker's step markers must overlap in time
 def test_two_workers_under_the_launcher_make_one_timeline_of_the_same_steps(tmp_path):
     for attempt in range(ATTEMPTS):
         model_dir = tmp_path / f"model_dir{attempt}"

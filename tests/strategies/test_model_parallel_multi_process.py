@@ -191,6 +191,7 @@ def test_conv_rules_across_processes_match_one_device(procs, tmp_path):
         assert min(json.loads(str(r["fractions"])).values()) < 1.0  # something is split
 
 
+@pytest.mark.serial  # bounds how long the survivor takes to end
 def test_killed_process_ends_the_other_within_60s_naming_it(procs, tmp_path):
     addresses = _procs.workers(2)
     indices = _start(procs, addresses, tmp_path / "w", "fit", mesh=HYBRID, epochs=1000, heartbeat=5)
@@ -240,6 +241,7 @@ def test_last_batch_that_does_not_split_runs_whole_on_every_device(procs, tmp_pa
             np.testing.assert_allclose(b, a, rtol=0, atol=WEIGHT_ATOL)
 
 
+@pytest.mark.serial  # a step timeout of its own, bounded
 def test_stuck_process_ends_the_other_after_the_step_timeout(procs, tmp_path):
     """Worker 1 stops taking steps but stays alive (heartbeats go on): worker 0's step overruns `timeout`."""
     addresses = _procs.workers(2)
@@ -261,6 +263,7 @@ def test_stuck_process_ends_the_other_after_the_step_timeout(procs, tmp_path):
     assert re.search(r"\n  waiting in: train step \d+, for 1\d\.\d s\n", log[log.index(head) :]), log[-3000:]
 
 
+@pytest.mark.serial  # a join timeout of its own, bounded
 def test_peers_that_never_come_end_the_process_after_join_timeout(procs, tmp_path):
     """Worker 0 of one cluster and worker 1 of another start alone: each ends naming itself after 10 s."""
     from tfdist import cluster as cluster_lib

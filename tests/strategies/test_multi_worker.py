@@ -108,6 +108,7 @@ def _kill_time(log):
     return float(m.group(1))
 
 
+@pytest.mark.serial  # bounds how long the survivors take to end (heartbeat 5 s)
 def test_killed_worker_ends_the_others_within_60s(procs, tmp_path):
     addresses = _procs.workers(3)
     for i in range(3):
@@ -121,6 +122,7 @@ def test_killed_worker_ends_the_others_within_60s(procs, tmp_path):
         assert re.search(r"UnavailableError|unhealthy|Socket closed", procs.log(i)), procs.log(i)[-2000:]
 
 
+@pytest.mark.serial  # a step timeout of 8 s
 def test_stuck_worker_ends_in_collective_timeout(procs, tmp_path):
     addresses = _procs.workers(2)
     for i in range(2):
@@ -134,6 +136,7 @@ def test_stuck_worker_ends_in_collective_timeout(procs, tmp_path):
     assert "worker is stuck now" in procs.log(1)  # teardown kills it
 
 
+@pytest.mark.serial  # a join timeout of 5 s
 def test_absent_peers_are_bounded(procs, tmp_path):
     # Worker 0 (TensorFlow's coordination leader) and worker 1 each wait for a peer that never comes.
     leader = procs.start_worker(_procs.workers(2), 0, tmp_path / "a.npz", "multi", join=5)
@@ -235,6 +238,7 @@ def test_a_port_in_use_is_named(tmp_path):
     assert last.startswith("tfdist-train: error:") and f"port {port}" in last and "in use" in last, last
 
 
+@pytest.mark.serial  # a step deadline of 0.5 s
 def test_step_deadline_aborts_only_functions_with_collectives(python_subprocess):
     # In its own process: aborting collectives poisons them for the rest of the process.
     done = python_subprocess(

@@ -220,6 +220,7 @@ def test_join_timeout_from_environment():
             cluster.join_timeout(env={cluster.JOIN_TIMEOUT_ENV: bad})
 
 
+@pytest.mark.serial  # a bound of 5 s on what takes well under 1 s alone
 def test_a_large_slurm_job_resolves_quickly():
     """100,000 tasks on 25,000 nodes: counting and checking stay linear (no quadratic duplicate search)."""
     start = time.perf_counter()
