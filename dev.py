@@ -15,6 +15,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 import venv
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -79,8 +80,6 @@ PHASES = (
 
 
 def _whole_suite(env: dict) -> int:
-    import time
-
     took, code = [], 0
     for name, args in PHASES:
         print(f"+ pytest, the tests that run {name}: {' '.join(args)}", flush=True)
