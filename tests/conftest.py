@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_su
 
 import _procs  # noqa: E402
 import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
 
@@ -35,6 +36,22 @@ def _frozen_heap():
     gc.collect()
     gc.freeze()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _collective_keys_of_their_own():
+    """Gives the plain TensorFlow strategies each test builds collective keys no earlier test used.
+
+    TensorFlow starts every `MirroredStrategy`'s and `MultiWorkerMirroredStrategy`'s group keys at 1, and
+    DTensor's collectives start there too; a process keeps each group's members for its lifetime. A plain
+    `MirroredStrategy(["CPU:0", "CPU:1"])` after a test whose ModelParallelStrategy step had formed group 1 over
+    other devices fails with "joining a group that is already full (group_key=1)" (seen when pytest-xdist put
+    a model-parallel module before tests/callbacks/test_callbacks_topology.py in one worker). TensorFlow's own
+    tests do the same (`strategy_combinations`: `_collective_key_base += 100000`); tfdist's strategies take
+    key bases of their own (`tfdist.strategies._mirrored.next_key_base`).
+    """
+    for cls in (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy):
+        cls._collective_key_base += 100_000
 
 
 @pytest.fixture

@@ -14,6 +14,8 @@ import sys
 import textwrap
 import time
 
+import _forkserver
+
 from tfdist import cluster as cluster_lib
 from tfdist import launch
 
@@ -23,6 +25,19 @@ WORKER = os.path.join(REPO, "tests", "scenarios", "multi_worker_fit.py")
 # Not inherited: a cluster (TF_CONFIG, Slurm), tfdist-launch's settings, and the DTensor option that
 # `import tfdist` sets in this process (a child starts without it, as a user's process does).
 NOT_INHERITED = ("TF_CONFIG", "SLURM_", "TFDIST_", "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION")
+TESTS = os.path.join(REPO, "tests") + os.sep
+FORK_SERVER = True  # scenario scripts forked from a process that imported TensorFlow (`_forkserver`)
+
+
+def forkable(cmd) -> bool:
+    """Whether `cmd` is `python SCRIPT ...` for a script of tests/ (a scenario, or a test module run as a script).
+
+    Those start from a fork server (`_forkserver`): the same script, environment and process, without paying
+    for TensorFlow's import again. Everything else (`-c` snippets, `-m tfdist.train`, the launcher, the
+    examples, the notebooks) starts as a user starts it.
+    """
+    return (FORK_SERVER and len(cmd) > 1 and cmd[0] == sys.executable and cmd[1].endswith(".py")
+            and os.path.abspath(cmd[1]).startswith(TESTS))
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -62,8 +77,11 @@ def run_child(script: str, out, *, timeout: float) -> dict:
         AssertionError: with the log's tail, when the child exits non-zero.
     """
     with open(os.path.join(out, "log.txt"), "w") as log:
-        proc = subprocess.Popen([sys.executable, script, str(out)], stdout=log, stderr=subprocess.STDOUT,
-                                env=clean_env(TF_CPP_MIN_LOG_LEVEL="3"), cwd=REPO)
+        cmd, env = [sys.executable, script, str(out)], clean_env(TF_CPP_MIN_LOG_LEVEL="3")
+        if forkable(cmd):
+            proc = _forkserver.popen(cmd, env=env, cwd=REPO, stdout=log)
+        else:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         try:
             code = proc.wait(timeout=timeout)
         finally:
@@ -87,9 +105,12 @@ class Procs:
         i = len(self.procs)
         log = self.tmp_path / f"proc{i}.log"
         with open(log, "wb") as f:
-            self.procs.append(
-                subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-            )
+            if forkable(cmd):  # alternate servers: the workers of one job get different hash seeds
+                proc = _forkserver.popen(cmd, env=env, cwd=REPO, stdout=f, new_session=True, slot=i)
+            else:
+                proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                                        start_new_session=True)
+            self.procs.append(proc)
         self.logs.append(log)
         self.started.append(time.monotonic())
         self.ended.append(None)
@@ -120,8 +141,11 @@ class Procs:
         """SIGKILLs process `i`'s session if it is still running, and reaps it."""
         p = self.procs[i]
         if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
+            try:
                 os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:  # a forked child between its fork and its setsid
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
         p.wait()
 
     def kill_all(self):

@@ -369,21 +369,28 @@ def _run_two_workers(model_dir):
                        sys.executable, "-m", "tfdist.train", *flags], timeout=TRAIN_TIMEOUT_S)
 
 
-# TensorFlow 2.21's profiler can abort a worker other than the chief when it stops (a heap corruption in
-# TraceMeRecorder::Stop on collective events that start and end on different threads; README, "Known
-# problem"). That abort, and only that, is retried: the run is otherwise checked as it is.
+# TensorFlow 2.21's profiler can abort a worker other than the chief when it stops: `TraceMeRecorder::Consume`
+# keeps pointers to the end events of split (cross-thread) events inside each thread's std::deque, then grows the
+# vector those deques move into; libstdc++'s deque move is not noexcept, so the vector copies them and frees the
+# originals, and merging a later thread's start event writes into freed memory (README, "Known problem"). Only a
+# non-chief records such events (its collectives' parameters are answered by the chief over gRPC), 4 of 21 runs
+# die of it, and nothing tfdist controls (when, how, which tracer levels) avoids it. The run happens once: either it
+# succeeds and is checked whole, or worker 1 died in the profiler's stop and the job ends as documented.
 TF_PROFILER_ABORT = re.compile(r"\[worker [1-9]\]\s+File \".*profiler_v2\.py\", line \d+ in stop")
-ATTEMPTS = 3
 
 
 @pytest.mark.serial  # each worker's step markers must overlap in time
 def test_two_workers_under_the_launcher_make_one_timeline_of_the_same_steps(tmp_path):
-    for attempt in range(ATTEMPTS):
-        model_dir = tmp_path / f"model_dir{attempt}"
-        result = _run_two_workers(model_dir)
-        output = result.stdout + result.stderr
-        if result.returncode == 0 or not TF_PROFILER_ABORT.search(output):
-            break
+    model_dir = tmp_path / "model_dir"
+    result = _run_two_workers(model_dir)
+    output = result.stdout + result.stderr
+    if result.returncode != 0 and TF_PROFILER_ABORT.search(output):
+        # The documented outcome of TensorFlow's crash: the launcher names worker 1 and its signal as the first
+        # failure, stops the chief, and the job fails; no timeline is claimed.
+        assert re.search(r"job failed: worker 1 \(127\.0\.0\.1:\d+, pid \d+\) failed first: killed by SIG(ABRT|SEGV)",
+                         output), output[-4000:]
+        assert "timeline:" not in result.stdout, output[-4000:]
+        return
     assert result.returncode == 0, output[-4000:]
     row = re.search(r"^\[worker 0\]   timeline:\s+(\S+) \(steps 3 to 5 of every worker", result.stdout, re.M)
     assert row, result.stdout[-3000:]
