@@ -15,13 +15,17 @@ in each child (Python's `random` reseeds itself after a fork).
 Run as a script, this file is the server: `python _forkserver.py SOCKET`.
 """
 
+import atexit
 import json
 import os
+import runpy
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 REQUEST_BYTES = 1 << 20
@@ -89,8 +93,6 @@ def _become(request: dict, fds: list[int], conn: socket.socket) -> None:
     script, *args = request["argv"][1:]
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    import runpy
-
     runpy.run_path(script, run_name="__main__")
 
 
@@ -106,14 +108,10 @@ class ForkedProcess:
 
     def poll(self):
         if self.returncode is None:
-            self._conn.setblocking(False)
             try:
-                self._read()
+                self._read(socket.MSG_DONTWAIT)
             except BlockingIOError:
                 pass
-            finally:
-                if self.returncode is None:
-                    self._conn.setblocking(True)
         return self.returncode
 
     def wait(self, timeout=None):
@@ -129,8 +127,8 @@ class ForkedProcess:
                 pass
         return self.returncode
 
-    def _read(self) -> None:
-        message = self._conn.recv(64)
+    def _read(self, flags: int = 0) -> None:
+        message = self._conn.recv(64, flags)
         if not message:  # the server ended before the child: its status is lost
             raise RuntimeError(f"the fork server of pid {self.pid} ({self.args[1]}) ended before it")
         self.returncode = int(message.decode().split()[1])
@@ -183,8 +181,9 @@ _servers: dict = {}
 _directory = None
 
 
-def _key(env: dict, slot: int):
-    return slot, tuple(sorted((k, v) for k, v in env.items() if not k.startswith(RUNTIME_ONLY)))
+def _import_env(env: dict) -> dict:
+    """What of `env` a server's imports may read: all but `RUNTIME_ONLY`."""
+    return {k: v for k, v in env.items() if not k.startswith(RUNTIME_ONLY)}
 
 
 def popen(argv, *, env: dict, cwd: str, stdout, stderr=None, new_session: bool = False, slot: int = 0):
@@ -194,14 +193,11 @@ def popen(argv, *, env: dict, cwd: str, stdout, stderr=None, new_session: bool =
     """
     global _directory
     if _directory is None:
-        import atexit
-        import tempfile
-
         _directory = tempfile.mkdtemp(prefix="tfdist-forkserver-")
         atexit.register(stop_all)
-    key = _key(env, slot % SLOTS)
+    server_env = _import_env(env)
+    key = slot % SLOTS, tuple(sorted(server_env.items()))
     if key not in _servers:
-        server_env = {k: v for k, v in env.items() if not k.startswith(RUNTIME_ONLY)}
         _servers[key] = _Server(_directory, f"server{len(_servers)}", server_env, cwd)
     with open(os.devnull, "rb") as devnull:
         fds = [devnull.fileno(), stdout.fileno(), (stderr or stdout).fileno()]
@@ -210,8 +206,6 @@ def popen(argv, *, env: dict, cwd: str, stdout, stderr=None, new_session: bool =
 
 def stop_all() -> None:
     """Ends every fork server of this process (their children are left to their owners)."""
-    import shutil
-
     global _directory
 
     for server in _servers.values():

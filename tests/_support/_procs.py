@@ -40,6 +40,14 @@ def forkable(cmd) -> bool:
             and os.path.abspath(cmd[1]).startswith(TESTS))
 
 
+def _popen(cmd, *, env: dict, stdout, new_session: bool, slot: int = 0):
+    """Starts `cmd` from the repository root with output (stderr too) to `stdout`: forked when `forkable`."""
+    if forkable(cmd):
+        return _forkserver.popen(cmd, env=env, cwd=REPO, stdout=stdout, new_session=new_session, slot=slot)
+    return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT, cwd=REPO,
+                            start_new_session=new_session)
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment of a child process: this one's less `NOT_INHERITED`, then `extra`.
 
@@ -77,11 +85,8 @@ def run_child(script: str, out, *, timeout: float) -> dict:
         AssertionError: with the log's tail, when the child exits non-zero.
     """
     with open(os.path.join(out, "log.txt"), "w") as log:
-        cmd, env = [sys.executable, script, str(out)], clean_env(TF_CPP_MIN_LOG_LEVEL="3")
-        if forkable(cmd):
-            proc = _forkserver.popen(cmd, env=env, cwd=REPO, stdout=log)
-        else:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        proc = _popen([sys.executable, script, str(out)], env=clean_env(TF_CPP_MIN_LOG_LEVEL="3"), stdout=log,
+                      new_session=False)
         try:
             code = proc.wait(timeout=timeout)
         finally:
@@ -104,13 +109,8 @@ class Procs:
     def start(self, cmd, env) -> int:
         i = len(self.procs)
         log = self.tmp_path / f"proc{i}.log"
-        with open(log, "wb") as f:
-            if forkable(cmd):  # alternate servers: the workers of one job get different hash seeds
-                proc = _forkserver.popen(cmd, env=env, cwd=REPO, stdout=f, new_session=True, slot=i)
-            else:
-                proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                                        start_new_session=True)
-            self.procs.append(proc)
+        with open(log, "wb") as f:  # slot i: the workers of one job fork from different servers (hash seeds)
+            self.procs.append(_popen(cmd, env=env, stdout=f, new_session=True, slot=i))
         self.logs.append(log)
         self.started.append(time.monotonic())
         self.ended.append(None)
@@ -141,11 +141,8 @@ class Procs:
         """SIGKILLs process `i`'s session if it is still running, and reaps it."""
         p = self.procs[i]
         if p.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:  # a forked child between its fork and its setsid
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGKILL)
         p.wait()
 
     def kill_all(self):
