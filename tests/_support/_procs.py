@@ -40,7 +40,7 @@ def forkable(cmd) -> bool:
             and os.path.abspath(cmd[1]).startswith(TESTS))
 
 
-def _popen(cmd, *, env: dict, stdout, new_session: bool, slot: int = 0):
+def popen(cmd, *, env: dict, stdout, new_session: bool, slot: int = 0):
     """Starts `cmd` from the repository root with output (stderr too) to `stdout`: forked when `forkable`."""
     if forkable(cmd):
         return _forkserver.popen(cmd, env=env, cwd=REPO, stdout=stdout, new_session=new_session, slot=slot)
@@ -85,7 +85,7 @@ def run_child(script: str, out, *, timeout: float) -> dict:
         AssertionError: with the log's tail, when the child exits non-zero.
     """
     with open(os.path.join(out, "log.txt"), "w") as log:
-        proc = _popen([sys.executable, script, str(out)], env=clean_env(TF_CPP_MIN_LOG_LEVEL="3"), stdout=log,
+        proc = popen([sys.executable, script, str(out)], env=clean_env(TF_CPP_MIN_LOG_LEVEL="3"), stdout=log,
                       new_session=False)
         try:
             code = proc.wait(timeout=timeout)
@@ -110,7 +110,7 @@ class Procs:
         i = len(self.procs)
         log = self.tmp_path / f"proc{i}.log"
         with open(log, "wb") as f:  # slot i: the workers of one job fork from different servers (hash seeds)
-            self.procs.append(_popen(cmd, env=env, stdout=f, new_session=True, slot=i))
+            self.procs.append(popen(cmd, env=env, stdout=f, new_session=True, slot=i))
         self.logs.append(log)
         self.started.append(time.monotonic())
         self.ended.append(None)

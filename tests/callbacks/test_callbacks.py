@@ -6,15 +6,13 @@ Crashes, SIGTERM, kill -9 and multi-worker runs are in tests/callbacks/test_call
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from _procs import REPO
-from _procs import clean_env
+from _procs import run_child
 
 import tfdist
 import tfdist.callbacks as cb
@@ -316,17 +314,8 @@ def test_public_names():
 
 # ------------------------------------------------------------------ ModelParallelStrategy (own process)
 def test_callbacks_under_model_parallel_strategy(tmp_path):
-    env = clean_env(TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tests", "scenarios", "callbacks_under_model_parallel.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    r = json.loads((tmp_path / "result.json").read_text())
+    r = run_child(os.path.join(REPO, "tests", "scenarios", "callbacks_under_model_parallel.py"), tmp_path,
+                  timeout=240)
     assert r["kernel_layout"] == r["restored_kernel_layout"] == "['unsharded', 'model']"
     assert r["sync_checks"] == 7 and r["replicas"] == 2
     assert r["topology"] == {"worker_index": 0, "num_workers": 1, "data_parallel_size": 2}  # the batch axis

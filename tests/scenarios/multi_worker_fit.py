@@ -7,8 +7,10 @@ MODE: "multi" (tfdist.MultiWorkerStrategy from TF_CONFIG), "reference" (one proc
 "die" (multi, but this process kills itself mid-fit when it is worker `die_rank`),
 "stuck" (multi, but worker `die_rank` sleeps inside training).
 
-Several references in one process, one after the other (each from the same seed):
-python tests/scenarios/multi_worker_fit.py OUT_DIR references NAME:key=value,key=value ... writes OUT_DIR/NAME.npz each.
+Several runs in one process, one after the other (each from the same seed), in mode "references" (one
+process, no strategy) or "multis" (one tfdist.MultiWorkerStrategy for all; its options from the first run):
+python tests/scenarios/multi_worker_fit.py OUT_DIR references|multis NAME:key=value,key=value ... writes
+OUT_DIR/NAME.npz each, and prints "run NAME begins" before each run (a test splits the log there).
 """
 
 import os
@@ -18,16 +20,21 @@ import time
 import numpy as np
 
 OUT, MODE = sys.argv[1], sys.argv[2]
-if MODE == "references":  # NAME:key=value,key=value ...
-    RUNS = [(os.path.join(OUT, f"{name}.npz"), opts) for name, _, opts in (a.partition(":") for a in sys.argv[3:])]
-    RUNS = [(out, dict(o.split("=", 1) for o in opts.split(",") if o)) for out, opts in RUNS]
+if MODE in ("references", "multis"):  # NAME:key=value,key=value ...
+    RUNS = [(name, opts) for name, _, opts in (a.partition(":") for a in sys.argv[3:])]
+    RUNS = [(name, os.path.join(OUT, f"{name}.npz"), dict(o.split("=", 1) for o in opts.split(",") if o))
+            for name, opts in RUNS]
+    MODE = MODE[:-1]
 else:
-    RUNS = [(OUT, dict(a.split("=", 1) for a in sys.argv[3:]))]
+    RUNS = [("", OUT, dict(a.split("=", 1) for a in sys.argv[3:]))]
 
-if MODE not in ("reference", "references"):
+if MODE != "reference":
     import tfdist
 
-    OPTS = RUNS[0][1]
+    OPTS = RUNS[0][2]
+    STRATEGY_OPTS = ("timeout", "heartbeat", "join", "gdtype")
+    for _, _, opts in RUNS:  # one strategy per process
+        assert all(opts.get(k) == OPTS.get(k) for k in STRATEGY_OPTS), (opts, OPTS)
     strategy = tfdist.MultiWorkerStrategy(
         timeout=float(OPTS.get("timeout", 60)),
         heartbeat_timeout=float(OPTS.get("heartbeat", 10)),
@@ -113,5 +120,7 @@ def run(out, opts):
     print("done", flush=True)
 
 
-for out, opts in RUNS:
+for name, out, opts in RUNS:
+    if name:
+        print(f"run {name} begins", flush=True)
     run(out, opts)

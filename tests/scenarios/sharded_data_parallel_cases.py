@@ -271,10 +271,17 @@ def load_checkpoints():
 
 
 def mixed_bfloat16():
-    """float32 master weights stored split, bfloat16 compute: the same training as one device's."""
+    """float32 master weights stored split, bfloat16 compute: the same training as one device's.
+
+    Measures too how far bfloat16 compute alone moves one device's training from float32's (the bound the
+    sharded run's difference is held to: its sums over devices round differently, by CPU kernels that
+    differ between instruction sets, e.g. AVX2 and AVX-512).
+    """
+    x, y = data("mlp")
+    float32 = build("mlp")
+    fit(float32, x, y)
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:
-        x, y = data("mlp")
         ref = build("mlp")
         ref_loss = fit(ref, x, y)
         strategy = tfdist.ShardedDataParallelStrategy(shard="weights", min_size=MIN_SIZE)
@@ -282,6 +289,7 @@ def mixed_bfloat16():
         loss = fit(model, x, y)
         RESULT["bf16_loss_rel"] = rel_diff(loss, ref_loss)
         RESULT["bf16_weights_diff"] = max_diff(model.get_weights(), ref.get_weights())
+        RESULT["bf16_one_device_vs_float32"] = max_diff(ref.get_weights(), float32.get_weights())
         RESULT["bf16_variable_dtypes"] = sorted({v.dtype for v in model.weights})
         RESULT["bf16_placements"], _ = placements(strategy, model)
     finally:

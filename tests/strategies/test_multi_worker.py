@@ -2,6 +2,7 @@
 
 Each test starts plain subprocesses (tests/scenarios/multi_worker_fit.py, `_procs.WORKER`) with their own
 TF_CONFIG on free loopback ports, bounds them with a hard timeout, and kills them (by process group) in teardown.
+The 2-worker fit cases share one pair of workers, which trains them one after the other (`two_worker_runs`).
 Weights are compared with a single-process Keras run on the same global batch.
 """
 
@@ -47,6 +48,45 @@ def references(tmp_path_factory):
     return {name: dict(np.load(tmp / f"{name}.npz")) for name in CONFIGS}
 
 
+# The 2-worker cases of test_fit_evaluate_predict_match_single_process, by (config, tfdata): one pair of workers
+# trains them one after the other under one strategy (each from the same seed, as the references are).
+TWO_WORKER_RUNS = {
+    ("n23", ""): "n23",
+    ("n23", "1"): "n23-tfdata",
+    ("features", ""): "features",
+    ("accumulate", ""): "accumulate",
+    ("xla", ""): "xla",
+}
+
+
+@pytest.fixture(scope="module")
+def two_worker_runs(tmp_path_factory):
+    """{(config, tfdata): (each worker's results, worker 0's log of that run)} from one pair of workers."""
+    tmp = tmp_path_factory.mktemp("two_workers")
+    p = _procs.Procs(tmp)
+    addresses = _procs.workers(2)
+    runs = [f"{name}:" + ",".join(f"{k}={v}" for k, v in {"batch": 6, "epochs": 2, "tfdata": tfdata,
+                                                            **CONFIGS[config]}.items())
+            for (config, tfdata), name in TWO_WORKER_RUNS.items()]
+    try:
+        for i in range(2):
+            (tmp / f"w{i}").mkdir()
+            tf_config = _procs.cluster_lib.Cluster(workers=addresses, task_index=i).to_tf_config()
+            p.start([sys.executable, _procs.WORKER, str(tmp / f"w{i}"), "multis", *runs],
+                    _procs.clean_env(TF_CONFIG=tf_config))
+        codes = p.wait(timeout=400)
+        assert codes == [0, 0], [p.log(i)[-3000:] for i in range(2)]
+        log = p.log(0)
+    finally:
+        p.kill_all()
+    out = {}
+    for key, name in TWO_WORKER_RUNS.items():
+        assert log.count(f"run {name} begins\n") == 1, log[-3000:]
+        segment = log.split(f"run {name} begins\n", 1)[1].split(" begins\n", 1)[0]
+        out[key] = [dict(np.load(tmp / f"w{i}" / f"{name}.npz")) for i in range(2)], segment
+    return out
+
+
 def _weights(result):
     return [result[k] for k in sorted(result) if k.startswith("arr_")]
 
@@ -62,17 +102,21 @@ def _weights(result):
         (2, "xla", ""),
     ],
 )
-def test_fit_evaluate_predict_match_single_process(procs, references, tmp_path, num_workers, config, tfdata):
-    addresses = _procs.workers(num_workers)
-    outs = [tmp_path / f"w{i}.npz" for i in range(num_workers)]
-    for i in range(num_workers):
-        procs.start_worker(addresses, i, outs[i], "multi", batch=6, epochs=2, tfdata=tfdata, **CONFIGS[config])
-    codes = procs.wait(timeout=240)
-    assert codes == [0] * num_workers, [procs.log(i)[-3000:] for i in range(num_workers)]
+def test_fit_evaluate_predict_match_single_process(procs, references, request, tmp_path, num_workers, config,
+                                                   tfdata):
+    if num_workers == 2:  # trained with the other 2-worker cases by one pair of workers
+        results, log = request.getfixturevalue("two_worker_runs")[config, tfdata]
+    else:
+        addresses = _procs.workers(num_workers)
+        outs = [tmp_path / f"w{i}.npz" for i in range(num_workers)]
+        for i in range(num_workers):
+            procs.start_worker(addresses, i, outs[i], "multi", batch=6, epochs=2, tfdata=tfdata, **CONFIGS[config])
+        codes = procs.wait(timeout=240)
+        assert codes == [0] * num_workers, [procs.log(i)[-3000:] for i in range(num_workers)]
+        results, log = [dict(np.load(o)) for o in outs], procs.log(0)
     # Keras shards numpy input by DATA itself; a tf.data pipeline without files gets the warning.
-    assert ("DataShardingWarning" in procs.log(0)) == bool(tfdata)
+    assert ("DataShardingWarning" in log) == bool(tfdata)
     ref = references[config]
-    results = [dict(np.load(o)) for o in outs]
     for r in results:
         # Identical on every worker, bit for bit.
         for a, b in zip(_weights(results[0]), _weights(r)):

@@ -11,9 +11,9 @@ ZeRO-3 12/N).
 import json
 import os
 import re
-import subprocess
 import sys
 
+import _procs
 import pytest
 from _procs import REPO
 from _procs import clean_env
@@ -27,14 +27,9 @@ MODES = ("weights", "optimizer")
 
 def _start(devices, out, *extra):
     log = open(out / "log.txt", "w")  # noqa: SIM115 - closed in _result
-    proc = subprocess.Popen(
-        [sys.executable, CHILD, str(devices), str(out), *map(str, extra)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=clean_env(TF_CPP_MIN_LOG_LEVEL="3"),
-        cwd=REPO,
-    )
+    # Forked from a process that imported TensorFlow, as every scenario (`_procs.forkable`).
+    proc = _procs.popen([sys.executable, CHILD, str(devices), str(out), *map(str, extra)],
+                         env=clean_env(TF_CPP_MIN_LOG_LEVEL="3"), stdout=log, new_session=False)
     return proc, log, out
 
 
@@ -172,9 +167,13 @@ def test_mixed_bfloat16_keeps_float32_master_weights_sharded(runs):
     r = runs[4]
     assert r["bf16_variable_dtypes"] == ["float32"]
     assert any("batch" in row["spec"] for row in r["bf16_placements"].values())
-    # bfloat16 compute: sums over devices round differently than one device's.
+    # bfloat16 compute: sums over devices round differently than one device's. The sharded run stays within
+    # twice as far from one device's bfloat16 run as that run is from float32's (two runs each rounded to
+    # bfloat16's 8 bits; measured 1.03x on an AVX2 CPU, where an absolute 1e-2 failed at 0.0115): a wrong
+    # gradient or a lost batch share moves it much further.
     assert r["bf16_loss_rel"] < 1e-2
-    assert r["bf16_weights_diff"] < 1e-2
+    assert 0 < r["bf16_one_device_vs_float32"] < 5e-2, r["bf16_one_device_vs_float32"]
+    assert r["bf16_weights_diff"] < 2 * r["bf16_one_device_vs_float32"], r
 
 
 # ------------------------------------------------------------------ bad input (checked before any device use)
