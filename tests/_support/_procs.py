@@ -116,9 +116,10 @@ class Procs:
         self.ended.append(None)
         return i
 
-    def start_worker(self, workers, index, out, mode, **opts) -> int:
+    def start_worker(self, workers, index, out, mode, *runs: str, **opts) -> int:
+        """Worker `index` of `workers` running `WORKER OUT MODE [RUN ...] [key=value ...]`."""
         tf_config = cluster_lib.Cluster(workers=workers, task_index=index).to_tf_config()
-        args = [f"{k}={v}" for k, v in opts.items()]
+        args = [*runs, *(f"{k}={v}" for k, v in opts.items())]
         return self.start([sys.executable, WORKER, str(out), mode, *args], clean_env(TF_CONFIG=tf_config))
 
     def wait(self, indices=None, timeout=120.0):

@@ -24,7 +24,7 @@ if MODE in ("references", "multis"):  # NAME:key=value,key=value ...
     RUNS = [(name, opts) for name, _, opts in (a.partition(":") for a in sys.argv[3:])]
     RUNS = [(name, os.path.join(OUT, f"{name}.npz"), dict(o.split("=", 1) for o in opts.split(",") if o))
             for name, opts in RUNS]
-    MODE = MODE[:-1]
+    MODE = {"references": "reference", "multis": "multi"}[MODE]
 else:
     RUNS = [("", OUT, dict(a.split("=", 1) for a in sys.argv[3:]))]
 

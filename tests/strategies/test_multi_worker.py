@@ -33,12 +33,17 @@ CONFIGS = {
 }
 
 
+def _run(name, opts):
+    """One run of several in one worker process: `NAME:key=value,...` (tests/scenarios/multi_worker_fit.py)."""
+    return f"{name}:" + ",".join(f"{k}={v}" for k, v in opts.items())
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """Single-process runs (no strategy), by config name: one process trains them one after the other."""
     tmp = tmp_path_factory.mktemp("reference")
     p = _procs.Procs(tmp)
-    runs = [f"{name}:" + ",".join(f"{k}={v}" for k, v in opts.items()) for name, opts in CONFIGS.items()]
+    runs = [_run(name, opts) for name, opts in CONFIGS.items()]
     try:
         p.start([sys.executable, _procs.WORKER, str(tmp), "references", *runs], _procs.clean_env())
         codes = p.wait(timeout=240)
@@ -65,26 +70,22 @@ def two_worker_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("two_workers")
     p = _procs.Procs(tmp)
     addresses = _procs.workers(2)
-    runs = [f"{name}:" + ",".join(f"{k}={v}" for k, v in {"batch": 6, "epochs": 2, "tfdata": tfdata,
-                                                            **CONFIGS[config]}.items())
+    runs = [_run(name, {"batch": 6, "epochs": 2, "tfdata": tfdata, **CONFIGS[config]})
             for (config, tfdata), name in TWO_WORKER_RUNS.items()]
     try:
         for i in range(2):
             (tmp / f"w{i}").mkdir()
-            tf_config = _procs.cluster_lib.Cluster(workers=addresses, task_index=i).to_tf_config()
-            p.start([sys.executable, _procs.WORKER, str(tmp / f"w{i}"), "multis", *runs],
-                    _procs.clean_env(TF_CONFIG=tf_config))
+            p.start_worker(addresses, i, tmp / f"w{i}", "multis", *runs)
         codes = p.wait(timeout=400)
         assert codes == [0, 0], [p.log(i)[-3000:] for i in range(2)]
         log = p.log(0)
     finally:
         p.kill_all()
-    out = {}
-    for key, name in TWO_WORKER_RUNS.items():
-        assert log.count(f"run {name} begins\n") == 1, log[-3000:]
-        segment = log.split(f"run {name} begins\n", 1)[1].split(" begins\n", 1)[0]
-        out[key] = [dict(np.load(tmp / f"w{i}" / f"{name}.npz")) for i in range(2)], segment
-    return out
+    parts = re.split(r"^run (\S+) begins\n", log, flags=re.MULTILINE)  # [before, name, its log, name, ...]
+    assert parts[1::2] == list(TWO_WORKER_RUNS.values()), log[-3000:]
+    segments = dict(zip(parts[1::2], parts[2::2]))
+    return {key: ([dict(np.load(tmp / f"w{i}" / f"{name}.npz")) for i in range(2)], segments[name])
+            for key, name in TWO_WORKER_RUNS.items()}
 
 
 def _weights(result):

@@ -13,10 +13,10 @@ import os
 import re
 import sys
 
-import _procs
 import pytest
 from _procs import REPO
 from _procs import clean_env
+from _procs import popen
 
 CHILD = os.path.join(REPO, "tests", "scenarios", "sharded_data_parallel_cases.py")
 LOSS_RTOL = 1e-4
@@ -28,8 +28,8 @@ MODES = ("weights", "optimizer")
 def _start(devices, out, *extra):
     log = open(out / "log.txt", "w")  # noqa: SIM115 - closed in _result
     # Forked from a process that imported TensorFlow, as every scenario (`_procs.forkable`).
-    proc = _procs.popen([sys.executable, CHILD, str(devices), str(out), *map(str, extra)],
-                         env=clean_env(TF_CPP_MIN_LOG_LEVEL="3"), stdout=log, new_session=False)
+    proc = popen([sys.executable, CHILD, str(devices), str(out), *map(str, extra)],
+                 env=clean_env(TF_CPP_MIN_LOG_LEVEL="3"), stdout=log, new_session=False)
     return proc, log, out
 
 
