@@ -1,13 +1,15 @@
 """Runs the conformance matrix: every family of `conformance.families` under every column's strategy.
 
-    python3 dev.py conformance                    # the whole matrix -> CONFORMANCE.md (about an hour on 2 cores)
+    python3 dev.py conformance                    # the matrix and the MoE grid -> CONFORMANCE.md (about 25 minutes)
     python -m conformance --only mixtral resnet   # some families, printed, nothing written
     python -m conformance --columns zero3 --only llama
+    python -m conformance --grid moe              # only the MoE grid: Adam, load-balancing loss off
 
-Each family runs in child processes of its own (`conformance.matrix`), two at a time, each killed
-after --timeout seconds. A cell is "equal" (`tfdist.check` found the loss, every gradient and every
-variable within tolerance at every step), "documented" (not run, or differing, for a reason the
-README states) or FAIL; the exit status is 1 when any cell fails.
+The matrix's rows are every family with SGD; the MoE grid's (`matrix.moe_rows`) are the MoE families with
+Adam and with their load-balancing loss off. Each row runs in child processes of its own
+(`conformance.matrix`), two at a time, each killed after --timeout seconds. A cell is "equal"
+(`tfdist.check` found the loss, every gradient and every variable within tolerance at every step),
+"documented" (not run, or differing, for a reason the README states) or FAIL; the exit status is 1 when any cell fails.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ REPORT = os.path.join(ROOT, "CONFORMANCE.md")
 RESULTS = os.path.join(ROOT, "conformance", "results.json")
 
 
-def _start(family: str, columns: list[str], out: str, log) -> subprocess.Popen:
+def _start(row: matrix.Row, columns: list[str], out: str, log) -> subprocess.Popen:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}
-    return subprocess.Popen([sys.executable, "-m", "conformance.matrix", out, family, *columns], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    command = [sys.executable, "-m", "conformance.matrix", out, row.family, *columns, *row.args()]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _read(out: str) -> dict[str, dict]:
@@ -42,13 +44,13 @@ def _read(out: str) -> dict[str, dict]:
         return {r["column"]: r for r in map(json.loads, f)}
 
 
-class _Family:
-    """One family's cells, run in as many children as DTensor errors need."""
+class _Row:
+    """One row's cells, run in as many children as DTensor errors need."""
 
-    def __init__(self, name: str, columns: list[str], directory: str):
-        self.name, self.columns = name, columns
-        self.out = os.path.join(directory, f"{name}.jsonl")
-        self.log_path = os.path.join(directory, f"{name}.log")
+    def __init__(self, row: matrix.Row, columns: list[str], directory: str):
+        self.row, self.name, self.columns = row, row.key, columns
+        self.out = os.path.join(directory, f"{row.key}.jsonl")
+        self.log_path = os.path.join(directory, f"{row.key}.log")
         self.proc, self.started, self.failed = None, None, {}
 
     def remaining(self) -> list[str]:
@@ -57,7 +59,7 @@ class _Family:
 
     def start(self) -> None:
         self.log = open(self.log_path, "a")
-        self.proc, self.started = _start(self.name, self.remaining(), self.out, self.log), time.monotonic()
+        self.proc, self.started = _start(self.row, self.remaining(), self.out, self.log), time.monotonic()
 
     def poll(self, timeout: float) -> bool:
         """Whether the running child has ended (killed past `timeout`); records cells it left unfinished."""
@@ -74,7 +76,7 @@ class _Family:
             with open(self.log_path) as f:
                 tail = f.read()[-1500:]
             first = left[0]
-            self.failed[first] = {"family": self.name, "column": first, "status": "FAIL",
+            self.failed[first] = {"family": self.row.family, "row": self.name, "column": first, "status": "FAIL",
                                   "error": f"the child ended ({code}) in this cell: ...{tail}"}
         return True
 
@@ -82,11 +84,11 @@ class _Family:
         return {**_read(self.out), **self.failed}
 
 
-def run(names: list[str], columns: list[str], jobs: int, timeout: float) -> dict[str, dict[str, dict]]:
-    """Every (family, column) cell, running `jobs` children at a time."""
+def run(rows: list[matrix.Row], columns: list[str], jobs: int, timeout: float) -> dict[str, dict[str, dict]]:
+    """Every (row, column) cell, by row key, running `jobs` children at a time."""
     directory = tempfile.mkdtemp(prefix="tfdist-conformance-")
-    queue = [_Family(n, columns, directory) for n in names]
-    running: list[_Family] = []
+    queue = [_Row(r, columns, directory) for r in rows]
+    running: list[_Row] = []
     done = {}
     while queue or running:
         while queue and len(running) < jobs:
@@ -103,7 +105,7 @@ def run(names: list[str], columns: list[str], jobs: int, timeout: float) -> dict
                     done[family.name] = family.cells()
                     statuses = ", ".join(f"{c} {done[family.name][c]['status']}" for c in columns)
                     print(f"{family.name}: {statuses}", flush=True)
-    return {n: done[n] for n in names}
+    return {r.key: done[r.key] for r in rows}
 
 
 def _figure(cell: dict) -> str:
@@ -113,9 +115,11 @@ def _figure(cell: dict) -> str:
     return f"{worst:.1e}" + (f" · {ratio:.2f}" if ratio is not None else "")
 
 
-def table(results: dict[str, dict[str, dict]], columns: list[str]) -> str:
-    """The matrix as Markdown: a row per family, a cell per column, then the notes the cells refer to."""
-    notes: list[str] = []
+def table(results: dict[str, dict[str, dict]], rows: list[matrix.Row], columns: list[str],
+          notes: list[str] | None = None) -> str:
+    """`rows` of `results` as Markdown: a cell per column, then the notes the cells refer to (numbered in `notes`)."""
+    notes = [] if notes is None else notes
+    first = len(notes)
 
     def note(text: str) -> str:
         if text not in notes:
@@ -124,8 +128,8 @@ def table(results: dict[str, dict[str, dict]], columns: list[str]) -> str:
 
     lines = ["| family | " + " | ".join(matrix.COLUMNS[c].title for c in columns) + " |",
              "|---|" + "---|" * len(columns)]
-    for name, cells in results.items():
-        row = []
+    for r in rows:
+        name, cells, row = r.title if (r.optimizer, r.aux_loss) != ("sgd", True) else r.family, results[r.key], []
         for column in columns:
             cell = cells[column]
             if cell["status"] == "equal":
@@ -138,9 +142,9 @@ def table(results: dict[str, dict[str, dict]], columns: list[str]) -> str:
                 what = cell.get("error") or next(t for t in cell["text"].splitlines() if t.startswith("DIFFERENT"))
                 row.append(f"**FAIL** {note(f'{name}, {column}: {what}')}")
         lines.append(f"| {name} | " + " | ".join(row) + " |")
-    if notes:
+    if len(notes) > first:
         lines.append("")
-        lines.extend(f"{i}. {text}" for i, text in enumerate(notes, start=1))
+        lines.extend(f"{i}. {text}" for i, text in enumerate(notes[first:], start=first + 1))
     return "\n".join(lines)
 
 
@@ -152,11 +156,18 @@ def _commit() -> str:
     return f"{git('rev-parse', '--short', 'HEAD')}{dirty}"
 
 
-def write(results, columns, seconds: float) -> None:
+def _counts(results, rows) -> str:
+    counts = {s: sum(c["status"] == s for r in rows for c in results[r.key].values())
+              for s in ("equal", "documented", "FAIL")}
+    return (f"{counts['equal']} cells equal, {counts['documented']} not run or differing for a documented reason, "
+            f"{counts['FAIL']} failing")
+
+
+def write(results, rows: list[matrix.Row], moe: list[matrix.Row], columns, seconds: float) -> None:
+    """CONFORMANCE.md (the matrix's `rows`, then the MoE grid's `moe`) and conformance/results.json."""
     from benchmarks import _results
 
-    counts = {s: sum(c["status"] == s for cells in results.values() for c in cells.values())
-              for s in ("equal", "documented", "FAIL")}
+    notes: list[str] = []
     text = f"""# Conformance: KerasHub families under every tfdist strategy
 
 Written by `python3 dev.py conformance` on {datetime.date.today().isoformat()}, commit {_commit()}, in
@@ -175,10 +186,24 @@ The data-parallel and pipeline columns use `batch_statistics="global"` (BatchNor
 load balancing over the global batch, as on one device); ZeRO columns use `min_size=16`, so that tiny
 weights are split too. Columns: 8 simulated CPU devices on one host.
 
-{counts['equal']} cells equal, {counts['documented']} not run or differing for a documented reason,
-{counts['FAIL']} failing, over {len(results)} families.
+{_counts(results, rows)}, over {len(rows)} families.
 
-{table(results, columns)}
+{table(results, rows, columns, notes)}
+"""
+    if moe:
+        text += f"""
+## MoE: Adam, and the load-balancing loss off
+
+The MoE families again, each row another optimizer or with the router's load-balancing loss scaled by 0
+(the rows above train with it on, at KerasHub's default coefficient). Adam (at 1e-2) is compared at
+`tfdist.check`'s tolerance for adaptive optimizers: the loss and every gradient within 1e-4 of the
+one-device value's largest entry, every variable within 1e-3 (Adam divides by a running gradient norm,
+which turns float32 rounding of a near-zero gradient entry into a difference of up to the learning rate in
+its update, under TensorFlow's own MirroredStrategy too). GPT-OSS has no load-balancing loss.
+
+{_counts(results, moe)}, over {len(moe)} rows.
+
+{table(results, moe, columns, notes)}
 """
     with open(REPORT, "w") as f:
         f.write(text)
@@ -193,17 +218,24 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m conformance", description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", choices=list(families_lib.FAMILIES), help="families to run")
     parser.add_argument("--columns", nargs="+", choices=list(matrix.COLUMNS), help="columns to run")
+    parser.add_argument("--grid", choices=("all", "matrix", "moe"), default="all",
+                        help="the matrix (SGD), the MoE grid (Adam, load-balancing loss off) or both (default)")
     parser.add_argument("--jobs", type=int, default=2, help="children at a time (default 2)")
-    parser.add_argument("--timeout", type=float, default=1500, help="seconds a family's child may run")
+    parser.add_argument("--timeout", type=float, default=1500, help="seconds a row's child may run")
     parser.add_argument("--write", action="store_true", help="write CONFORMANCE.md (default with the whole matrix)")
     args = parser.parse_args(argv)
     names = args.only or list(families_lib.FAMILIES)
     columns = args.columns or list(matrix.COLUMNS)
+    rows = [matrix.Row(n) for n in names] if args.grid != "moe" else []
+    moe = [r for r in matrix.moe_rows(families_lib.FAMILIES) if r.family in names] if args.grid != "matrix" else []
     started = time.monotonic()
-    results = run(names, columns, args.jobs, args.timeout)
-    print(table(results, columns), flush=True)
-    if args.write or not (args.only or args.columns):
-        write(results, columns, time.monotonic() - started)
+    results = run(rows + moe, columns, args.jobs, args.timeout)
+    notes: list[str] = []
+    for part in (rows, moe):
+        if part:
+            print(table(results, part, columns, notes), flush=True)
+    if args.write or not (args.only or args.columns or args.grid != "all"):
+        write(results, rows, moe, columns, time.monotonic() - started)
     return int(any(c["status"] == "FAIL" for cells in results.values() for c in cells.values()))
 
 

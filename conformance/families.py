@@ -31,6 +31,7 @@ class Family:
         batch_statistics: what the model computes from the batch in training ("batch_norm",
             "moe_balancing"), or None.
         segments: whether the text model takes `segment_ids`.
+        aux_loss: the backbone's argument that scales its router's load-balancing loss (an MoE), or None.
     """
 
     name: str
@@ -39,6 +40,15 @@ class Family:
     layout_map: Callable | None = None
     batch_statistics: str | None = None
     segments: bool = False
+    aux_loss: str | None = None
+
+    def build(self, *, aux_loss: bool = True):
+        """The uncompiled model; `aux_loss=False` builds an MoE with its load-balancing loss scaled by 0."""
+        if aux_loss:
+            return self.model()
+        if self.aux_loss is None:
+            raise ValueError(f"family {self.name!r} has no load-balancing loss to turn off (aux_loss is None)")
+        return self.model(**{self.aux_loss: 0.0})
 
     def data(self, examples: int, seed: int = 0):
         """`(x, y)` of `examples` synthetic examples for this family (a few padded tokens for text)."""
@@ -68,10 +78,11 @@ def _hub():
 
 
 def _causal(task: str, backbone: str, **config) -> Callable:
-    def build():
+    def build(**overrides):
         models = _hub()
-        return getattr(models, task)(backbone=getattr(models, backbone)(vocabulary_size=VOCAB, **config),
-                                     preprocessor=None)
+        return getattr(models, task)(
+            backbone=getattr(models, backbone)(vocabulary_size=VOCAB, **{**config, **overrides}), preprocessor=None
+        )
 
     return build
 
@@ -170,7 +181,7 @@ FAMILIES = {f.name: f for f in (
     Family("llama3", "causal_lm", _causal("Llama3CausalLM", "Llama3Backbone", **_GQA), _layout_map("Llama3Backbone")),
     Family("mistral", "causal_lm", _causal("MistralCausalLM", "MistralBackbone", **_GQA)),
     Family("mixtral", "causal_lm", _causal("MixtralCausalLM", "MixtralBackbone", **_GQA, **_EXPERTS),
-           batch_statistics="moe_balancing"),
+           batch_statistics="moe_balancing", aux_loss="router_aux_loss_coef"),
     # KerasHub's Gemma layout map splits the key/value heads over "model": 4 of them, as many as query heads.
     Family("gemma", "causal_lm", _causal("GemmaCausalLM", "GemmaBackbone", head_dim=4,
                                          **{**_GQA, "num_key_value_heads": HEADS}), _layout_map("GemmaBackbone")),
@@ -180,10 +191,11 @@ FAMILIES = {f.name: f for f in (
     Family("qwen3", "causal_lm", _causal("Qwen3CausalLM", "Qwen3Backbone", head_dim=4, **_GQA)),
     Family("qwen_moe", "causal_lm", _causal("QwenMoeCausalLM", "QwenMoeBackbone", moe_intermediate_dim=16,
                                             shared_expert_intermediate_dim=FFN, **_GQA, **_EXPERTS),
-           _layout_map("QwenMoeBackbone"), batch_statistics="moe_balancing"),
+           _layout_map("QwenMoeBackbone"), batch_statistics="moe_balancing", aux_loss="router_aux_loss_coefficient"),
     Family("qwen3_moe", "causal_lm", _causal("Qwen3MoeCausalLM", "Qwen3MoeBackbone", moe_intermediate_dim=16,
                                              head_dim=4, **_GQA, **_EXPERTS),
-           _layout_map("Qwen3MoeBackbone"), batch_statistics="moe_balancing"),
+           _layout_map("Qwen3MoeBackbone"), batch_statistics="moe_balancing",
+           aux_loss="router_aux_loss_coefficient"),
     Family("gpt_oss", "causal_lm", _causal("GptOssCausalLM", "GptOssBackbone", head_dim=4, **_GQA, **_EXPERTS)),
     Family("phi3", "causal_lm", _causal("Phi3CausalLM", "Phi3Backbone", max_sequence_length=SEQ,
                                         pretraining_sequence_length=SEQ, **_GQA)),

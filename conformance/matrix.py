@@ -1,17 +1,22 @@
 """The conformance matrix's columns and one family's cells, run in a process of 8 logical CPUs.
 
-Usage (the parent, `python -m conformance`, starts it): python -m conformance.matrix OUT_FILE FAMILY COLUMN...
+Usage (the parent, `python -m conformance`, starts it):
+python -m conformance.matrix OUT_FILE FAMILY COLUMN... [--optimizer adam] [--aux-loss off]
 
 Each cell is `tfdist.check` of the family's model under the column's strategy against one device:
-3 steps of SGD with momentum on 8 examples a step, the loss, every gradient and every variable on
-every device compared within `tfdist.divergence.default_tolerance` (1e-5 of each variable's largest
-entry). One JSON line per cell is appended to OUT_FILE as it finishes. The DTensor columns run last:
+3 steps on 8 examples a step (SGD with momentum, or the row's optimizer), the loss, every gradient and
+every variable on every device compared within `tfdist.divergence.default_tolerance` (SGD: 1e-5 of each
+variable's largest entry; Adam: loss and gradients 1e-4, values 1e-3). A row is a family with an
+optimizer and, for an MoE, its load-balancing loss on or off (`Row`); the main matrix's rows are every
+family with SGD and its defaults, the MoE grid's (`MOE_ROWS`) the MoE families' other combinations.
+One JSON line per cell is appended to OUT_FILE as it finishes. The DTensor columns run last:
 a DTensor runtime error poisons the process, so after one this process stops and the parent starts
 another for the cells left.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -40,6 +45,66 @@ class Column:
     dtensor: bool
 
 
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A row of the matrix: a family, the optimizer it trains with, and whether its load-balancing loss is on.
+
+    Attributes:
+        family: the family's name (`conformance.families.FAMILIES`).
+        optimizer: a key of `OPTIMIZERS`.
+        aux_loss: False builds an MoE with its router's load-balancing loss scaled by 0.
+    """
+
+    family: str
+    optimizer: str = "sgd"
+    aux_loss: bool = True
+
+    @property
+    def key(self) -> str:
+        """The row's name in results.json and file names: "mixtral", "mixtral-adam-aux_off"."""
+        return "-".join([self.family] + ([self.optimizer] if self.optimizer != "sgd" else [])
+                        + ([] if self.aux_loss else ["aux_off"]))
+
+    @property
+    def title(self) -> str:
+        """The row's name in the table: "mixtral, Adam, aux loss off"."""
+        return ", ".join([self.family, OPTIMIZERS[self.optimizer][0]] + ([] if self.aux_loss else ["aux loss off"]))
+
+    def args(self) -> list[str]:
+        """The options of `python -m conformance.matrix` that select this row's variant."""
+        return ["--optimizer", self.optimizer, "--aux-loss", "on" if self.aux_loss else "off"]
+
+
+def _sgd():
+    import keras
+
+    return keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+def _adam():
+    import keras
+
+    return keras.optimizers.Adam(1e-2)
+
+
+OPTIMIZERS = {"sgd": ("SGD", "SGD with momentum 0.9 at 0.1", _sgd), "adam": ("Adam", "Adam at 1e-2", _adam)}
+"""Each row's optimizer: its short name, its description and a factory."""
+
+MOE = ("mixtral", "qwen_moe", "qwen3_moe", "gpt_oss")
+"""The MoE families: their grid crosses Adam with SGD and, where the family has one, its load-balancing loss
+off with on (SGD with it on is the main matrix's row)."""
+
+
+def moe_rows(families) -> list[Row]:
+    """The MoE grid's rows (`families`: name -> Family): Adam; with a balancing loss, it off under SGD and Adam."""
+    rows = []
+    for name in MOE:
+        rows.append(Row(name, "adam"))
+        if families[name].aux_loss is not None:
+            rows += [Row(name, "sgd", aux_loss=False), Row(name, "adam", aux_loss=False)]
+    return rows
+
+
 def _data_parallel(family):
     import tfdist
 
@@ -57,6 +122,13 @@ def _model_parallel(family):
     from tfdist import layouts
 
     return tfdist.ModelParallelStrategy(mesh=MESH, rules=layouts.auto())
+
+
+def _model_parallel_1x8(family):
+    import tfdist
+    from tfdist import layouts
+
+    return tfdist.ModelParallelStrategy(mesh={"batch": 1, "model": 8}, rules=layouts.auto())
 
 
 def _layout_map(family):
@@ -81,6 +153,7 @@ COLUMNS = {c.name: c for c in (
     Column("data_parallel", "DataParallel, 4 replicas", _data_parallel, False),
     Column("pipeline", "Pipeline, 2 stages x 2 micro-batches", _pipeline, False),
     Column("model_parallel", "ModelParallel auto() {batch 2, model 4}", _model_parallel, True),
+    Column("model_parallel_1x8", "ModelParallel auto() {batch 1, model 8}", _model_parallel_1x8, True),
     Column("layout_map", "ModelParallel, KerasHub's get_layout_map {2, 4}", _layout_map, True),
     Column("zero1", "ShardedDataParallel ZeRO-1, 8", _sharded("optimizer"), True),
     Column("zero3", "ShardedDataParallel ZeRO-3, 8", _sharded("weights"), True),
@@ -103,15 +176,15 @@ def expected_reason(family, column: str) -> str | None:
     return None
 
 
-def _build(family):
+def _build(family, optimizer: str, aux_loss: bool):
     import keras
 
     def build():
         keras.utils.set_random_seed(3)
-        model = family.model()
+        model = family.build(aux_loss=aux_loss)
         keras.Model.compile(  # Keras' own compile: no task defaults (metrics, samplers)
             model,
-            optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+            optimizer=OPTIMIZERS[optimizer][2](),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         return model
@@ -126,8 +199,11 @@ def _dropout_left(model) -> list[str]:
             if isinstance(layer, keras.layers.Dropout) and layer.rate > 0]
 
 
-def cell(family, column: Column) -> dict:
-    """One cell: `tfdist.check`'s report as plain data, with the status the matrix gives it."""
+def cell(family, column: Column, *, optimizer: str = "sgd", aux_loss: bool = True) -> dict:
+    """One cell: `tfdist.check`'s report as plain data, with the status the matrix gives it.
+
+    `optimizer` (a key of `OPTIMIZERS`) and `aux_loss` select the row's variant (`Row`).
+    """
     import tfdist
 
     reason = expected_reason(family, column.name)
@@ -135,8 +211,8 @@ def cell(family, column: Column) -> dict:
         return {"status": "documented", "reason": reason}
     started = time.monotonic()
     try:
-        report = tfdist.check(_build(family), family.data(STEPS * BATCH), column.strategy(family), steps=STEPS,
-                              batch_size=BATCH)
+        report = tfdist.check(_build(family, optimizer, aux_loss), family.data(STEPS * BATCH),
+                              column.strategy(family), steps=STEPS, batch_size=BATCH)
     except Exception as e:  # noqa: BLE001 - the cell records the error; the matrix fails on it
         return {"status": "FAIL", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:400]}",
                 "traceback": traceback.format_exc()[-3000:], "seconds": time.monotonic() - started}
@@ -152,22 +228,30 @@ def cell(family, column: Column) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    out, name, columns = argv[0], argv[1], argv[2:]
+    parser = argparse.ArgumentParser(prog="python -m conformance.matrix", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", help="the JSON-lines file a line per cell is appended to")
+    parser.add_argument("family")
+    parser.add_argument("columns", nargs="+", choices=list(COLUMNS))
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="sgd")
+    parser.add_argument("--aux-loss", choices=("on", "off"), default="on")
+    args = parser.parse_args(argv)
+    out, name, columns = args.out, args.family, args.columns
+    row = Row(name, args.optimizer, args.aux_loss == "on")
     import tfdist
 
     tfdist.simulate_devices(8)
     from conformance.families import FAMILIES
 
     family = FAMILIES[name]
-    dropout = _dropout_left(family.model())
+    dropout = _dropout_left(family.build(aux_loss=row.aux_loss))
     if dropout:
         raise AssertionError(f"{name}: Dropout left on in {dropout}; the matrix compares with dropout off")
     for column in columns:
-        result = cell(family, COLUMNS[column])
-        result.update(family=name, column=column)
+        result = cell(family, COLUMNS[column], optimizer=row.optimizer, aux_loss=row.aux_loss)
+        result.update(family=name, row=row.key, column=column)
         with open(out, "a") as f:
             f.write(json.dumps(result) + "\n")
-        print(f"{name} {column}: {result['status']} {result.get('error', '')}", flush=True)
+        print(f"{row.key} {column}: {result['status']} {result.get('error', '')}", flush=True)
         if COLUMNS[column].dtensor and "error" in result:
             return 3  # the process may be poisoned: the parent starts another for the cells left
     return 0

@@ -7,7 +7,10 @@ smaller. The second `fit` of the first takes `strategy.experimental_distribute_d
 `train_step` of the second logs its loss through its own `keras.metrics.Mean`.
 
 Each runs under DataParallelStrategy (4 devices), PipelineStrategy (2 stages, 2 micro-batches),
-ModelParallelStrategy ({batch: 2, model: 4}) and ShardedDataParallelStrategy (8 devices), all in one child
+ModelParallelStrategy ({batch: 2, model: 4}, every Dense kernel split by a path rule: on its outputs in the
+first test, on its inputs in the custom-fit one, whose last kernel has one output) and
+ShardedDataParallelStrategy ZeRO-3 and ZeRO-1 (8 devices, `min_size=16`: these small weights split too),
+all in one child
 on 8 logical CPUs (the DTensor ones last: a DTensor runtime error poisons the process), and under
 MultiWorkerStrategy (one worker) in a child of its own (it must exist before any TensorFlow op). Besides
 passing, each checks:
@@ -33,20 +36,22 @@ import tfdist
 DISTRIBUTED_TOL = 1e-6  # the same strategy fed the same batches two ways
 LOGGED_RTOL = 1e-6  # a custom train_step's logged loss and metric against one device
 SGD_WEIGHTS_TOL = 1e-5
-STRATEGIES = {"local": ("data_parallel", "pipeline", "model_parallel", "sharded_data_parallel"),
+STRATEGIES = {"local": ("data_parallel", "pipeline", "model_parallel", "zero3", "zero1"),
               "multi": ("multi_worker",)}
 
 
 # ---------------------------------------------------------------------------------------------- the child
-def make_strategy(name):
+def make_strategy(name, kernel_split=(None, "model")):
+    """The strategy `name`; under ModelParallel every kernel is split as `kernel_split` says (a path rule)."""
     if name == "data_parallel":
         return tfdist.DataParallelStrategy(devices=[f"CPU:{i}" for i in range(4)])
     if name == "pipeline":
         return tfdist.PipelineStrategy(stages=2, microbatches=2, devices=["CPU:0", "CPU:1"])
     if name == "model_parallel":
-        return tfdist.ModelParallelStrategy(mesh={"batch": 2, "model": 4})
-    if name == "sharded_data_parallel":
-        return tfdist.ShardedDataParallelStrategy(shard="weights")
+        # auto() finds no attention or feed-forward pair in a Dense stack: a path rule splits every kernel.
+        return tfdist.ModelParallelStrategy(mesh={"batch": 2, "model": 4}, rules=[(r"kernel$", kernel_split)])
+    if name in ("zero3", "zero1"):
+        return tfdist.ShardedDataParallelStrategy(shard="weights" if name == "zero3" else "optimizer", min_size=16)
     return tfdist.MultiWorkerStrategy()
 
 
@@ -119,7 +124,20 @@ def model_fit(strategy):
         checks[f"{name}_loss"] = float(np.abs(np.subtract(h["loss"], runs["plain"][1]["loss"])).max())
         checks[f"{name}_evaluate"] = float(np.abs(np.subtract(model.evaluate(data, verbose=0), evaluated)).max())
         checks[f"{name}_predict"] = float(np.abs(model.predict(data, verbose=0) - predicted).max())
-    return checks
+    return checks, split_variables(strategy, model)
+
+
+def split_variables(strategy, model):
+    """How many of the model's weights and optimizer variables a DTensor strategy split (None: not DTensor)."""
+    if not isinstance(strategy, tfdist.ModelParallelStrategy):
+        return None
+    from tensorflow.experimental import dtensor
+
+    def split(variables):
+        specs = [dtensor.fetch_layout(v.value).sharding_specs for v in variables]
+        return sum(any(s != dtensor.UNSHARDED for s in spec) for spec in specs)
+
+    return {"weights": split(model.weights), "optimizer": split(model.optimizer.variables)}
 
 
 def custom_fit(strategy, *, optimizer, n, epochs):
@@ -204,7 +222,10 @@ def child(out, family):
     result = {"one_device": None}
     for i, name in enumerate(STRATEGIES[family]):
         strategy = strategies[0] if strategies else make_strategy(name)
-        result[name] = {"distributed": model_fit(strategy), "custom": custom_runs(strategy)}
+        distributed, split = model_fit(strategy)
+        if name == "model_parallel":  # the custom model's kernels, (32, 8) and (8, 1), split on their inputs
+            strategy = make_strategy(name, kernel_split=("model", None))
+        result[name] = {"distributed": distributed, "split": split, "custom": custom_runs(strategy)}
         if i == 0:
             result["one_device"] = custom_runs(None)
     with open(os.path.join(out, "result.json"), "w") as f:
@@ -224,10 +245,20 @@ def _run(tmp_path, family):
         return json.load(f)
 
 
+SPLIT = {  # name -> (fewest split weights, fewest split optimizer variables): the 4 kernels (and their SGD
+    # momenta) under ModelParallel; under the sharded modes also the 32-wide biases and BatchNormalization's vectors
+    "model_parallel": (4, 4), "zero3": (8, 8), "zero1": (0, 8)}
+
+
 def _assert_integration(result, names):
     one = result["one_device"]
     for name in names:
         distributed, custom = result[name]["distributed"], result[name]["custom"]
+        if name in SPLIT:
+            split, (weights, optimizer) = result[name]["split"], SPLIT[name]
+            assert split["weights"] >= weights and split["optimizer"] >= optimizer, (name, split)
+            if name == "zero1":
+                assert split["weights"] == 0, split  # ZeRO-1 keeps the weights whole
         assert max(distributed.values()) <= DISTRIBUTED_TOL, (name, distributed)
         for run in ("adam", "sgd"):
             for key in ("loss", "mae", "eval"):

@@ -10,7 +10,7 @@ attention and feed-forward kernel split, read from the variables' DTensor layout
 device (from its DTensor shards) at most 1.15 x (split bytes / 4 + replicated bytes); the placement
 report naming each weight's role, nothing unmatched; the build-time cases (a subclassed model built by
 Keras' trace, a read inside a build, an indivisible role); Mixtral's experts split 4 ways (trained with SGD
-on {"batch": 1, "model": 4} against one device: weights 1e-5); TensorFlow's DTensor Keras tutorial's
+on that {"batch": 2, "model": 4} mesh against one device: weights 1e-5); TensorFlow's DTensor Keras tutorial's
 subclassed model placed by its LayoutMap's attribute-path keys (SGD against one device) and through
 `use_keras_distribution()`; a ResNet's convolutions.
 """
