@@ -69,6 +69,8 @@ class Tolerance:
         value_rtol: of each variable's value, relative to its largest entry.
         atol: absolute slack (all-zero gradients, variables near zero).
         reason: why these numbers (printed in the report).
+        value_scale_floor: the least scale a variable's value is compared at (an
+            adaptive optimizer's learning rate: see `default_tolerance`; 0 for SGD).
     """
 
     loss_rtol: float
@@ -76,9 +78,12 @@ class Tolerance:
     value_rtol: float
     atol: float
     reason: str
+    value_scale_floor: float = 0.0
 
     def allowed(self, scale: float, kind: str) -> float:
         """The largest difference allowed for a `kind` ("loss", "gradient", "value") of size `scale`."""
+        if kind == "value":
+            scale = max(scale, self.value_scale_floor)
         return self.atol + getattr(self, f"{kind}_rtol") * scale
 
 
@@ -93,7 +98,9 @@ def default_tolerance(optimizer, *, rtol: float | None = None, atol: float | Non
     becomes a difference of up to the learning rate in its update, for every
     strategy, even TensorFlow's own MirroredStrategy. Their losses and
     gradients still agree to 1e-4, their values to 1e-3 of each variable's
-    largest entry over a few steps.
+    largest entry, or of the learning rate where that is larger: a variable
+    whose gradient is only rounding noise (an attention key's bias, which
+    softmax ignores) moves by up to the learning rate a step from noise alone.
 
     Example:
 
@@ -101,16 +108,21 @@ def default_tolerance(optimizer, *, rtol: float | None = None, atol: float | Non
     1e-05
     >>> default_tolerance(keras.optimizers.Adam(), rtol=1e-2).value_rtol
     0.01
+    >>> round(default_tolerance(keras.optimizers.Adam(1e-3)).allowed(1e-7, "value"), 10)  # 1e-7 + 1e-3 * 1e-3
+    1.1e-06
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
     name = type(inner).__name__
     if isinstance(inner, keras.optimizers.SGD):
         tolerance = Tolerance(1e-5, 1e-5, 1e-5, 1e-7, f"{name}: an update linear in the gradient, float32 rounding")
     else:
+        rate = float(keras.ops.convert_to_numpy(inner.learning_rate))
         tolerance = Tolerance(
             1e-4, 1e-4, 1e-3, 1e-7,
             f"{name}: adaptive, it divides by a running gradient norm, which amplifies rounding of entries near "
-            "zero; values compared to 1e-3 of each variable's largest entry",
+            f"zero; values compared to 1e-3 of each variable's largest entry or of the learning rate ({rate:g}), "
+            "which a variable whose gradient is rounding noise moves by",
+            value_scale_floor=rate,
         )
     if rtol is not None:
         tolerance = dataclasses.replace(
@@ -382,7 +394,7 @@ def check(
         model = _model(build_model, f"in {type(strategy).__name__}.scope()")
     _check_same_variables(reference, model)
     model.set_weights(reference.get_weights())
-    tolerance = default_tolerance(model.optimizer, rtol=rtol, atol=atol)
+    tolerance = default_tolerance(reference.optimizer, rtol=rtol, atol=atol)  # the same optimizer, off the mesh
     extended = _extended.extended_of(strategy)
     copies = extended._tfdist_device_copies if extended is not None else _extended.device_copies
 
