@@ -70,6 +70,28 @@ def _add(a, b):
     return a + b
 
 
+def add_earlier(g, e):
+    """`g`, a step's summed micro-batch gradient, plus `e`: the batch loss terms' gradient via earlier micro-batches.
+
+    Two IndexedSlices (an embedding's lookups) are added row by row: `e` has a row for each row of the earlier
+    micro-batches' part of `g`, the same lookups in the same order, and one device has one row per lookup
+    holding both parts. Keras' optimizers update each row of a sparse gradient by itself (Adam's second moment
+    adds a² + b² for two rows of one lookup, (a + b)² for one), so rows of their own would train otherwise.
+    """
+    if not (isinstance(g, tf.IndexedSlices) and isinstance(e, tf.IndexedSlices)):
+        return add(g, e)
+    with tf.device(_device(g)):
+        n = tf.shape(e.indices)[0]
+        same = tf.debugging.assert_equal(
+            tf.cast(e.indices, g.indices.dtype), g.indices[:n],
+            message="PipelineStrategy: the rows of a batch loss's gradient through the earlier micro-batches are "
+            "not their lookups' rows, in order (a sparse gradient)",
+        )
+        with tf.control_dependencies([same]):
+            values = tf.concat([g.values[:n] + tf.cast(e.values, g.values.dtype), g.values[n:]], axis=0)
+        return tf.IndexedSlices(values, g.indices, g.dense_shape)
+
+
 class Accumulator:
     """One step's micro-batch gradients: `add` returns None until the last micro-batch, then the sum.
 
@@ -93,7 +115,7 @@ class Accumulator:
             return None
         self.sum, self.applied = None, True
         if self.losses is not None:
-            grads = [add(g, e) for g, e in zip(grads, self.losses.earlier_gradients(len(grads)))]
+            grads = [add_earlier(g, e) for g, e in zip(grads, self.losses.earlier_gradients(len(grads)))]
         return grads
 
 
