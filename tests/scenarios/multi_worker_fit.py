@@ -3,6 +3,8 @@
 A worker process for the multi-worker tests (run as a script, not collected by pytest).
 
 Usage: python tests/scenarios/multi_worker_fit.py OUT.npz MODE [key=value ...]
+(keys: n, batch, epochs, clip, accum, spe, jit, val, tfdata, bn (a BatchNormalization layer), and the strategy's
+timeout, heartbeat, join, gdtype, bstats (batch_statistics))
 MODE: "multi" (tfdist.MultiWorkerStrategy from TF_CONFIG), "reference" (one process, no strategy),
 "die" (multi, but this process kills itself mid-fit when it is worker `die_rank`),
 "stuck" (multi, but worker `die_rank` sleeps inside training).
@@ -32,7 +34,7 @@ if MODE != "reference":
     import tfdist
 
     OPTS = RUNS[0][2]
-    STRATEGY_OPTS = ("timeout", "heartbeat", "join", "gdtype")
+    STRATEGY_OPTS = ("timeout", "heartbeat", "join", "gdtype", "bstats")
     for _, _, opts in RUNS:  # one strategy per process
         assert all(opts.get(k) == OPTS.get(k) for k in STRATEGY_OPTS), (opts, OPTS)
     strategy = tfdist.MultiWorkerStrategy(
@@ -40,6 +42,7 @@ if MODE != "reference":
         heartbeat_timeout=float(OPTS.get("heartbeat", 10)),
         join_timeout=float(OPTS.get("join", 60)),
         gradient_dtype=OPTS.get("gdtype") or None,
+        batch_statistics=OPTS.get("bstats", "replica"),
     )
     rank = strategy.cluster.rank
 else:
@@ -77,7 +80,10 @@ def run(out, opts):
     y = (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32") + 0.1).astype("float32")
     keras.utils.set_random_seed(1)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
+        norm = [keras.layers.BatchNormalization()] if opts.get("bn") else []  # statistics of the batch
+        model = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), *norm, keras.layers.Dense(1)]
+        )
         model.compile(
             optimizer=keras.optimizers.SGD(
                 0.05,

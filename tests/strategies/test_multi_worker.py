@@ -30,6 +30,8 @@ CONFIGS = {
     "accumulate": {"n": 23, "accum": 3, "clip": 0.5},
     # jit_compile=True: each worker's replica step compiled with XLA (the reference compiled too)
     "xla": {"n": 23, "jit": 1, "clip": 0.5},
+    # BatchNormalization after the first layer: with batch_statistics="global", the global batch's moments
+    "bn": {"n": 23, "bn": 1},
 }
 
 
@@ -131,6 +133,25 @@ def test_fit_evaluate_predict_match_single_process(procs, references, request, t
         assert int(r["xla_calls"]) == (1 if config == "xla" else 0)
     # The reference itself moved: the comparison is not trivially true.
     assert max(np.abs(w).max() for w in _weights(ref)) > 0.1
+
+
+def test_batch_normalization_with_global_statistics_matches_single_process(procs, references, tmp_path):
+    # 6, 6, 6, 5 examples a step over 2 workers: the last step's moments come from 3 + 2 examples, weighted as
+    # one device's 5. The moving mean and variance are weights too: compared with the rest.
+    addresses = _procs.workers(2)
+    outs = [tmp_path / f"w{i}.npz" for i in range(2)]
+    for i in range(2):
+        procs.start_worker(addresses, i, outs[i], "multi", batch=6, epochs=2, bstats="global", **CONFIGS["bn"])
+    codes = procs.wait(timeout=240)
+    assert codes == [0, 0], [procs.log(i)[-3000:] for i in range(2)]
+    ref = references["bn"]
+    assert len(_weights(ref)) == 8  # 2 kernels, 2 biases, gamma, beta, moving mean and variance
+    for r in map(np.load, outs):
+        for a, b in zip(_weights(ref), _weights(dict(r))):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=ATOL)
+        np.testing.assert_allclose(r["loss"], ref["loss"], rtol=1e-5)
+        np.testing.assert_allclose(r["pred"], ref["pred"], rtol=0, atol=1e-5)
+    assert "compute from the batch" not in procs.log(0)  # no per-replica warning under "global"
 
 
 def test_bfloat16_gradient_all_reduce(procs, references, tmp_path):
