@@ -8,7 +8,7 @@ Each cell is `tfdist.check` of the family's model under the column's strategy ag
 every variable on every device compared within `tfdist.divergence.default_tolerance` (SGD: 1e-5 of each
 variable's largest entry; Adam: loss and gradients 1e-4, values 1e-3). A row is a family with an
 optimizer and, for an MoE, its load-balancing loss on or off (`Row`); the main matrix's rows are every
-family with SGD and its defaults, the MoE grid's (`MOE_ROWS`) the MoE families' other combinations.
+family with SGD and its defaults, the MoE grid's (`moe_rows`) the MoE families' other combinations.
 One JSON line per cell is appended to OUT_FILE as it finishes. The DTensor columns run last:
 a DTensor runtime error poisons the process, so after one this process stops and the parent starts
 another for the cells left.
@@ -67,7 +67,9 @@ class Row:
 
     @property
     def title(self) -> str:
-        """The row's name in the table: "mixtral, Adam, aux loss off"."""
+        """The row's name in the table: "mixtral" (SGD, defaults), "mixtral, Adam, aux loss off"."""
+        if (self.optimizer, self.aux_loss) == ("sgd", True):
+            return self.family
         return ", ".join([self.family, OPTIMIZERS[self.optimizer][0]] + ([] if self.aux_loss else ["aux loss off"]))
 
     def args(self) -> list[str]:
@@ -87,8 +89,8 @@ def _adam():
     return keras.optimizers.Adam(1e-2)
 
 
-OPTIMIZERS = {"sgd": ("SGD", "SGD with momentum 0.9 at 0.1", _sgd), "adam": ("Adam", "Adam at 1e-2", _adam)}
-"""Each row's optimizer: its short name, its description and a factory."""
+OPTIMIZERS = {"sgd": ("SGD", _sgd), "adam": ("Adam", _adam)}
+"""Each row's optimizer: its name in the table and a factory (SGD with momentum 0.9 at 0.1, Adam at 1e-2)."""
 
 MOE = ("mixtral", "qwen_moe", "qwen3_moe", "gpt_oss")
 """The MoE families: their grid crosses Adam with SGD and, where the family has one, its load-balancing loss
@@ -184,7 +186,7 @@ def _build(family, optimizer: str, aux_loss: bool):
         model = family.build(aux_loss=aux_loss)
         keras.Model.compile(  # Keras' own compile: no task defaults (metrics, samplers)
             model,
-            optimizer=OPTIMIZERS[optimizer][2](),
+            optimizer=OPTIMIZERS[optimizer][1](),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         return model

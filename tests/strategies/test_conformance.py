@@ -37,34 +37,36 @@ import pytest
 if __name__ != "__main__":
     import _procs
 
+from conformance.matrix import Row
+
 OFF = False  # the load-balancing loss scaled by 0
-CELLS = (  # (family, column, optimizer, load-balancing loss on)
-    ("qwen3_moe", "layout_map", "sgd", True),
-    ("resnet", "data_parallel", "sgd", True),
-    ("efficientnet", "data_parallel", "sgd", True),
-    ("t5", "model_parallel", "sgd", True),
-    ("gemma3", "model_parallel", "sgd", True),
-    ("gpt2", "pipeline", "sgd", True),
-    ("efficientnet", "zero3", "sgd", True),
-    ("densenet", "zero1", "sgd", True),
-    ("mixtral", "model_parallel", "sgd", OFF),
-    ("mixtral", "model_parallel_1x8", "adam", OFF),
-    ("mixtral", "zero1", "sgd", True),
-    ("mixtral", "zero3", "adam", True),
-    ("qwen3_moe", "model_parallel", "adam", True),
-    ("qwen3_moe", "model_parallel_1x8", "sgd", True),
-    ("qwen3_moe", "zero1", "adam", OFF),
-    ("qwen3_moe", "zero3", "sgd", OFF),
-    ("qwen3_moe", "data_parallel", "sgd", True),
-    ("qwen3_moe", "pipeline", "adam", True),  # the balancing loss's sparse rows through earlier micro-batches
+CELLS = (  # (row: family, optimizer, load-balancing loss on; column)
+    (Row("qwen3_moe"), "layout_map"),
+    (Row("resnet"), "data_parallel"),
+    (Row("efficientnet"), "data_parallel"),
+    (Row("t5"), "model_parallel"),
+    (Row("gemma3"), "model_parallel"),
+    (Row("gpt2"), "pipeline"),
+    (Row("efficientnet"), "zero3"),
+    (Row("densenet"), "zero1"),
+    (Row("mixtral", "sgd", OFF), "model_parallel"),
+    (Row("mixtral", "adam", OFF), "model_parallel_1x8"),
+    (Row("mixtral", "sgd"), "zero1"),
+    (Row("mixtral", "adam"), "zero3"),
+    (Row("qwen3_moe", "adam"), "model_parallel"),
+    (Row("qwen3_moe", "sgd"), "model_parallel_1x8"),
+    (Row("qwen3_moe", "adam", OFF), "zero1"),
+    (Row("qwen3_moe", "sgd", OFF), "zero3"),
+    (Row("qwen3_moe", "sgd"), "data_parallel"),
+    (Row("qwen3_moe", "adam"), "pipeline"),  # the balancing loss's sparse rows through earlier micro-batches
 )
 SPLIT = ("zero3", "model_parallel", "model_parallel_1x8", "layout_map")  # columns that split the weights
 BOUNDS = {"sgd": {"loss": 1e-5, "gradient": 1e-5, "value": 1e-5}, "adam": {"loss": 1e-4, "gradient": 1e-4,
                                                                            "value": 1e-3}}
 
 
-def _key(family, column, optimizer, aux_loss):
-    return f"{family}/{column}/{optimizer}" + ("" if aux_loss else "/aux_off")
+def _key(row, column):
+    return f"{row.key}/{column}"
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +81,11 @@ def test_every_family_builds_from_config_with_dropout_off(result):
     assert all(not dropout for dropout in result["built"].values()), result["built"]
 
 
-@pytest.mark.parametrize("family, column, optimizer, aux_loss", CELLS, ids=[_key(*c) for c in CELLS])
-def test_cell_equals_one_device(result, family, column, optimizer, aux_loss):
-    cell = result["cells"][_key(family, column, optimizer, aux_loss)]
+@pytest.mark.parametrize("row, column", CELLS, ids=[_key(*c) for c in CELLS])
+def test_cell_equals_one_device(result, row, column):
+    cell = result["cells"][_key(row, column)]
     assert cell["status"] == "equal", cell.get("error") or cell.get("text")
-    for kind, bound in BOUNDS[optimizer].items():
+    for kind, bound in BOUNDS[row.optimizer].items():
         assert cell["largest"][kind] <= bound, (kind, cell["largest"])
     ratio = cell["device_bytes"] / cell["reference_bytes"]
     if column in SPLIT:
@@ -115,12 +117,12 @@ def _child(out):
 
     built = {name: matrix._dropout_left(family.model()) for name, family in FAMILIES.items()}
     cells = {}
-    for family, column, optimizer, aux_loss in CELLS:
-        cell = matrix.cell(FAMILIES[family], matrix.COLUMNS[column], optimizer=optimizer, aux_loss=aux_loss)
+    for row, column in CELLS:
+        cell = matrix.cell(FAMILIES[row.family], matrix.COLUMNS[column], optimizer=row.optimizer,
+                           aux_loss=row.aux_loss)
         cell.pop("traceback", None)
-        cells[_key(family, column, optimizer, aux_loss)] = cell
-        print(_key(family, column, optimizer, aux_loss), cell["status"], f"{cell.get('seconds', 0):.1f} s",
-              cell.get("error", ""), flush=True)
+        cells[_key(row, column)] = cell
+        print(_key(row, column), cell["status"], f"{cell.get('seconds', 0):.1f} s", cell.get("error", ""), flush=True)
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump({"built": built, "cells": cells}, f)
 
