@@ -161,3 +161,34 @@ def test_reshuffling_dataset_order_still_differs_under_plain_mirrored_strategy()
     plain.fit(dataset(), epochs=1, verbose=0)
     diff = max(np.abs(a - b).max() for a, b in zip(ref.get_weights(), plain.get_weights()))
     assert diff > 1e-3, diff
+
+
+def _passes(strategy, passes):
+    """Every element of `passes` iterations over `strategy`'s distribution of a dataset, per replica, as lists.
+
+    The dataset is reshuffled every pass (from seed 3: a new one starts from the same order), has a dict of
+    labels, and its last batch of 6 splits over 4 replicas.
+    """
+    x = np.arange(70 * 3, dtype="float32").reshape(70, 3)
+    y = np.arange(70, dtype="int64")
+    dataset = tf.data.Dataset.from_tensor_slices((x, {"a": y, "b": 2 * y})).shuffle(70, seed=3).batch(16)
+    distributed = strategy.experimental_distribute_dataset(dataset)
+    values = lambda v: [r.numpy().tolist() for r in strategy.experimental_local_results(v)]  # noqa: E731
+    return [[tf.nest.map_structure(values, e) for e in distributed] for _ in range(passes)]
+
+
+def test_multi_device_reader_functions_are_traced_once_and_read_what_tensorflows_own_read(monkeypatch):
+    from tfdist._compat import multi_device_iterator as mdi
+
+    strategy = tfdist.DataParallelStrategy(devices=DEVICES)
+    monkeypatch.setattr(mdi, "_cache", type(mdi._cache)())
+    cached = _passes(strategy, 3)
+    assert len(mdi._cache) == len(DEVICES)  # one prototype per device, made by the first pass
+    assert cached[0] != cached[1]  # the pass reshuffled: each pass read its own iterator, not a stale one
+    monkeypatch.setattr(mdi, "CACHE_SIZE", 0)  # TensorFlow's own path every time
+    monkeypatch.setattr(mdi, "_cache", type(mdi._cache)())
+    assert _passes(strategy, 3) == cached
+    assert len(mdi._cache) == 0
+    monkeypatch.setattr(mdi, "CACHE_SIZE", 256)
+    _passes(plain_mirrored(DEVICES), 2)
+    assert len(mdi._cache) == 0  # under a strategy not tfdist's, TensorFlow's path

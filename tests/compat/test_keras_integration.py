@@ -12,17 +12,22 @@ first test, on its inputs in the custom-fit one, whose last kernel has one outpu
 ShardedDataParallelStrategy ZeRO-3 and ZeRO-1 (8 devices, `min_size=16`: these small weights split too),
 all in one child
 on 8 logical CPUs (the DTensor ones last: a DTensor runtime error poisons the process), and under
-MultiWorkerStrategy (one worker) in a child of its own (it must exist before any TensorFlow op). Besides
-passing, each checks:
+MultiWorkerStrategy on two worker processes (127.0.0.1 ports; each checks, and the two must report the
+same figures). Besides passing, each checks:
 - a dataset the strategy distributed (`experimental_distribute_dataset`, `distribute_datasets_from_function`)
   trains, evaluates and predicts as the same undistributed dataset does under that strategy (weights and
   predictions 1e-6; the model has BatchNormalization, whose statistics are per replica under data
   parallelism, so the reference is the strategy's own run, not one device);
 - the custom `train_step` logs the loss and mean absolute error one device logs (rtol 1e-6): Keras' own Adam
   run, and an SGD run over 70 examples (the last batch, 6, splits 2/2/1/1 over 4 replicas) whose weights
-  equal one device's (1e-5) and whose custom `test_step` logs one device's evaluation.
+  equal one device's (1e-5) and whose custom `test_step` logs one device's evaluation (on two workers the
+  last batch, 6, splits 3/3; the 64 examples of the Adam run, 32/32 per batch).
 
-Run as a script, this file is the child: `python tests/compat/test_keras_integration.py OUT local|multi`.
+A function-distributed dataset is the user's to shard: `per_replica` batches by the replica's share and keeps
+every `num_input_pipelines`-th batch, so each global batch is the plain dataset's.
+
+Run as a script, this file is the child: `python tests/compat/test_keras_integration.py OUT local|multi`
+(under `multi`, TF_CONFIG names the worker; it writes `result<task index>.json`).
 """
 
 import json
@@ -109,7 +114,8 @@ def model_fit(strategy):
     plain = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
 
     def per_replica(context):
-        return tf.data.Dataset.from_tensor_slices((x, y)).batch(context.get_per_replica_batch_size(batch_size))
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(context.get_per_replica_batch_size(batch_size))
+        return dataset.shard(context.num_input_pipelines, context.input_pipeline_id)
 
     runs = {"distributed": (dataset, history.history, model.get_weights())}
     for name, data in (("plain", plain), ("from_function", strategy.distribute_datasets_from_function(per_replica))):
@@ -225,10 +231,12 @@ def child(out, family):
         distributed, split = model_fit(strategy)
         if name == "model_parallel":  # the custom model's kernels, (32, 8) and (8, 1), split on their inputs
             strategy = make_strategy(name, kernel_split=("model", None))
-        result[name] = {"distributed": distributed, "split": split, "custom": custom_runs(strategy)}
+        result[name] = {"distributed": distributed, "split": split, "custom": custom_runs(strategy),
+                        "replicas": strategy.num_replicas_in_sync}
         if i == 0:
             result["one_device"] = custom_runs(None)
-    with open(os.path.join(out, "result.json"), "w") as f:
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"] if family == "multi" else ""
+    with open(os.path.join(out, f"result{task}.json"), "w") as f:
         json.dump(result, f)
 
 
@@ -273,8 +281,23 @@ def test_keras_integration_tests_pass_under_the_single_process_strategies(tmp_pa
     _assert_integration(_run(tmp_path, "local"), STRATEGIES["local"])
 
 
-def test_keras_integration_tests_pass_under_multi_worker_strategy(tmp_path):
-    _assert_integration(_run(tmp_path, "multi"), STRATEGIES["multi"])
+def test_keras_integration_tests_pass_under_multi_worker_strategy_on_two_workers(tmp_path):
+    import _procs
+
+    procs, workers = _procs.Procs(tmp_path), _procs.workers(2)
+    cmd = [sys.executable, os.path.abspath(__file__), str(tmp_path), "multi"]
+    try:
+        for index in range(2):
+            tf_config = tfdist.cluster.Cluster(workers=workers, task_index=index).to_tf_config()
+            procs.start(cmd, _procs.clean_env(TF_CONFIG=tf_config, TF_CPP_MIN_LOG_LEVEL="3"))
+        codes = procs.wait(timeout=400)
+        assert codes == [0, 0], "\n".join(procs.log(i)[-4000:] for i in range(2))
+    finally:
+        procs.kill_all()
+    results = [json.loads((tmp_path / f"result{i}.json").read_text()) for i in range(2)]
+    assert results[0] == results[1]  # every worker logs, evaluates and holds the same
+    assert results[0]["multi_worker"]["replicas"] == 2
+    _assert_integration(results[0], STRATEGIES["multi"])
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ replaces, the source it checks (its probe) and the features that need it.
 | feature              | needed by                         | hooks                                                     |
 |----------------------|-----------------------------------|-----------------------------------------------------------|
 | "data_parallel"      | DataParallelStrategy              | loss_scaling, optimizer, lazy_build, trainer, mirrored,   |
-|                      |                                   | batch_statistics (+ KerasHub MoE hooks when trained),     |
-|                      |                                   | layer_losses                                              |
+|                      |                                   | multi_device_iterator, batch_statistics (+ KerasHub MoE   |
+|                      |                                   | hooks when trained), layer_losses                         |
 | "multi_worker"       | MultiWorkerStrategy               | data_parallel's + trainer, step_deadline, keras_callbacks |
 | "model_parallel"     | ModelParallelStrategy             | trainer, variables, dtensor, spmd_ops, optimizer,         |
 |                      |                                   | sparse_ops, layer_call, deferred_variables,               |
@@ -55,6 +55,7 @@ from tfdist._compat import layer_losses
 from tfdist._compat import lazy_build
 from tfdist._compat import loss_scaling
 from tfdist._compat import mirrored
+from tfdist._compat import multi_device_iterator
 from tfdist._compat import optimizer
 from tfdist._compat import sparse_ops
 from tfdist._compat import spmd_ops
@@ -79,6 +80,7 @@ HOOKS: tuple[Hook, ...] = (
     *lazy_build.HOOKS,
     *trainer.HOOKS,
     *mirrored.HOOKS,
+    *multi_device_iterator.HOOKS,
     *step_deadline.HOOKS,
     *variables.HOOKS,
     *deferred_variables.HOOKS,
