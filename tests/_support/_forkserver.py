@@ -72,7 +72,7 @@ def _serve(path: str):
 
 
 def _become(request: dict, fds: list[int], conn: socket.socket) -> None:
-    """Turns this forked process into `request`'s `python SCRIPT ARGS` and runs the script as __main__.
+    """Turns this forked process into `request`'s `python SCRIPT ARGS` (or `python -m MODULE ARGS`), run as __main__.
 
     Its pid goes to the client once it leads its own session (when asked), so that a signal to its process
     group from then on reaches it.
@@ -90,6 +90,12 @@ def _become(request: dict, fds: list[int], conn: socket.socket) -> None:
     import numpy as np
 
     np.random.seed()  # the legacy global state, seeded from the OS as a fresh import of NumPy would
+    if request["argv"][1] == "-m":  # python -m MODULE ARGS: the module's file as argv[0], the directory on sys.path
+        module, *args = request["argv"][2:]
+        sys.argv = [module, *args]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
     script, *args = request["argv"][1:]
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -61,16 +62,37 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run(args, *, timeout: float, env: dict | None = None, **popen) -> subprocess.CompletedProcess:
+def run(args, *, timeout: float, env: dict | None = None, fork: bool = False, **popen) -> subprocess.CompletedProcess:
     """Runs `args` to the end in `clean_env(**env)` from the repository root, output captured as text.
+
+    `fork=True`, for `python -m MODULE ...` (a tfdist binary) whose start-up is not what the test checks:
+    forked from a fork server (`_forkserver`), as scenarios are, instead of importing TensorFlow again.
 
     Raises:
         subprocess.TimeoutExpired: after `timeout` seconds (the process is killed).
     """
+    if fork and FORK_SERVER:
+        assert args[:2] == [sys.executable, "-m"] and not popen, (args, popen)
+        return _run_forked(args, timeout=timeout, env=clean_env(**(env or {})))
     popen.setdefault("stdin", subprocess.DEVNULL)
     return subprocess.run(
         args, capture_output=True, text=True, timeout=timeout, env=clean_env(**(env or {})), cwd=REPO, **popen
     )
+
+
+def _run_forked(args, *, timeout: float, env: dict) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = _forkserver.popen(args, env=env, cwd=REPO, stdout=out, stderr=err)
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(args, code, out.read().decode(errors="replace"),
+                                           err.read().decode(errors="replace"))
 
 
 def run_python(code: str, *, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -50,12 +50,12 @@ def mlp(jit_compile, *, optimizer="sgd", steps_per_execution=1):
     return model
 
 
-def data(n=62):
+def data(n=61):
     rng = np.random.default_rng(0)
     return rng.normal(size=(n, 12)).astype("float32"), rng.integers(0, 3, size=(n,)).astype("int32")
 
 
-def train(strategy, batch_size=16, n=62, **model_kwargs):
+def train(strategy, batch_size=16, n=61, **model_kwargs):
     x, y = data(n)
     with strategy.scope():
         model = mlp(**model_kwargs)
@@ -68,7 +68,7 @@ def train(strategy, batch_size=16, n=62, **model_kwargs):
 _ONE_DEVICE = {}
 
 
-def one_device(optimizer="sgd", n=62):
+def one_device(optimizer="sgd", n=61):
     """The one-device run (compiled with XLA) that runs under a strategy are compared with; once per module.
 
     Keyed by what changes its numbers. Not by `steps_per_execution`: on one device Keras loops over the
@@ -103,15 +103,15 @@ def _device_index(device):
 def test_data_parallel_compiles_each_replica_and_matches_one_device(optimizer, steps_per_execution):
     kwargs = dict(optimizer=optimizer, steps_per_execution=steps_per_execution)
     reference = one_device(optimizer)
-    strategy = tfdist.DataParallelStrategy(devices=[f"CPU:{i}" for i in range(4)])
-    # 62 examples in batches of 16: the last step splits 4/4/3/3 over the replicas.
+    strategy = tfdist.DataParallelStrategy(devices=["CPU:0", "CPU:1"])
+    # 61 examples in batches of 16: the last step splits 7/6 over the replicas (each compiles its own shapes).
     run = train(strategy, jit_compile=True, **kwargs)
     assert_same_run(run, reference)
     model = run[0]
     for function in (model.train_function, model.test_function):
         calls = _xla.compiled_calls(function)
         # One compiled step per replica, each on its device (steps_per_execution=2: in the loop body).
-        assert sorted(map(_device_index, calls)) == [0, 1, 2, 3], calls
+        assert sorted(map(_device_index, calls)) == [0, 1], calls
 
 
 def test_data_parallel_without_jit_compile_has_no_compiled_call():
