@@ -34,8 +34,9 @@ def forkable(cmd) -> bool:
     """Whether `cmd` is `python SCRIPT ...` for a script of tests/ (a scenario, or a test module run as a script).
 
     Those start from a fork server (`_forkserver`): the same script, environment and process, without paying
-    for TensorFlow's import again. Everything else (`-c` snippets, `-m tfdist.train`, the launcher, the
-    examples, the notebooks) starts as a user starts it.
+    for TensorFlow's import again (`run(..., fork=True)` forks a `python -m MODULE` as well). Everything else
+    (`-c` snippets, other `-m tfdist.train` runs, the launcher, the examples, the notebooks) starts as a user
+    starts it.
     """
     return (FORK_SERVER and len(cmd) > 1 and cmd[0] == sys.executable and cmd[1].endswith(".py")
             and os.path.abspath(cmd[1]).startswith(TESTS))
