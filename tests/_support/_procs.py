@@ -81,15 +81,23 @@ def run(args, *, timeout: float, env: dict | None = None, fork: bool = False, **
     )
 
 
+def wait_or_kill(proc, timeout: float) -> int:
+    """`proc`'s exit status once it ends; killed (and reaped) if it is still running after `timeout` s.
+
+    Raises:
+        subprocess.TimeoutExpired: when it was killed.
+    """
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _run_forked(args, *, timeout: float, env: dict) -> subprocess.CompletedProcess:
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = _forkserver.popen(args, env=env, cwd=REPO, stdout=out, stderr=err)
-        try:
-            code = proc.wait(timeout=timeout)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        code = wait_or_kill(_forkserver.popen(args, env=env, cwd=REPO, stdout=out, stderr=err), timeout)
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(args, code, out.read().decode(errors="replace"),
@@ -110,12 +118,7 @@ def run_child(script: str, out, *, timeout: float) -> dict:
     with open(os.path.join(out, "log.txt"), "w") as log:
         proc = popen([sys.executable, script, str(out)], env=clean_env(TF_CPP_MIN_LOG_LEVEL="3"), stdout=log,
                       new_session=False)
-        try:
-            code = proc.wait(timeout=timeout)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        code = wait_or_kill(proc, timeout)
     with open(os.path.join(out, "log.txt")) as log:
         assert code == 0, log.read()[-8000:]
     with open(os.path.join(out, "result.json")) as result:

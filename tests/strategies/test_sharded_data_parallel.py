@@ -17,6 +17,7 @@ import pytest
 from _procs import REPO
 from _procs import clean_env
 from _procs import popen
+from _procs import wait_or_kill
 
 CHILD = os.path.join(REPO, "tests", "scenarios", "sharded_data_parallel_cases.py")
 LOSS_RTOL = 1e-4
@@ -36,11 +37,8 @@ def _start(devices, out, *extra):
 def _result(started, timeout):
     proc, log, out = started
     try:
-        code = proc.wait(timeout=timeout)
+        code = wait_or_kill(proc, timeout)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
         log.close()
     assert code == 0, f"{proc.args}:\n{(out / 'log.txt').read_text()[-8000:]}"
     return json.loads((out / "result.json").read_text())

@@ -17,7 +17,7 @@ keeps the first iterator's traced functions per (device, shard, source
 device, element spec) and gives later iterators a generator dataset of those
 functions with the new values in place of the old ones, by position: the
 mechanism TensorFlow's own `_ReincarnatedPerDeviceGenerator` uses to swap the
-incarnation id. `reincarnated_generator` makes the per-device dataset from
+incarnation id. `create_device_dataset` makes the per-device dataset from
 such a cached prototype. A prototype whose captured values are not exactly
 the ones it recognises is not cached (TensorFlow's own path then runs every
 time). Checked on TensorFlow 2.21.
@@ -88,6 +88,19 @@ def _key(shard_num, source_device, element_spec, iterator_is_anonymous):
             repr(element_spec), iterator_is_anonymous)
 
 
+def _generator_dataset(ds):
+    """The generator dataset op of `ds`'s reader functions and captured values (as TensorFlow's classes make it)."""
+    return gen_dataset_ops.generator_dataset(
+        ds._init_captured_args,
+        ds._next_captured_args,
+        ds._finalize_captured_args,
+        init_func=ds._init_func,
+        next_func=ds._next_func,
+        finalize_func=ds._finalize_func,
+        **ds._flat_structure,
+    )
+
+
 class PerDeviceGenerator(dataset_ops.DatasetV2):
     """`_PerDeviceGenerator`: from the cached prototype of its device and spec when tfdist iterates eagerly.
 
@@ -128,18 +141,7 @@ class PerDeviceGenerator(dataset_ops.DatasetV2):
         self._next_captured_args = [values[r] for r in prototype.next_roles]
         self._finalize_captured_args = [values[r] for r in prototype.finalize_roles]
         self._incarnation_id_index = prototype.next_roles.index(_INCARNATION)
-        super().__init__(self._generator_dataset())
-
-    def _generator_dataset(self):
-        return gen_dataset_ops.generator_dataset(
-            self._init_captured_args,
-            self._next_captured_args,
-            self._finalize_captured_args,
-            init_func=self._init_func,
-            next_func=self._next_func,
-            finalize_func=self._finalize_func,
-            **self._flat_structure,
-        )
+        super().__init__(_generator_dataset(self))
 
     _inputs = _OriginalPerDeviceGenerator._inputs
     element_spec = _OriginalPerDeviceGenerator.element_spec
@@ -156,7 +158,7 @@ class _Reincarnated(dataset_ops.DatasetV2):
         self._next_captured_args = list(prototype._next_captured_args)
         self._next_captured_args[prototype._incarnation_id_index] = incarnation_id
         self._finalize_captured_args = list(prototype._finalize_captured_args)
-        super().__init__(PerDeviceGenerator._generator_dataset(self))
+        super().__init__(_generator_dataset(self))
 
     _inputs = _OriginalReincarnated._inputs
     element_spec = _OriginalPerDeviceGenerator.element_spec
