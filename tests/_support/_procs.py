@@ -109,14 +109,14 @@ def run_python(code: str, *, timeout: float = 300, env: dict | None = None) -> s
     return run([sys.executable, "-c", textwrap.dedent(code)], timeout=timeout, env=env)
 
 
-def run_child(script: str, out, *, timeout: float) -> dict:
-    """Runs `python script out` (its output to `out/log.txt`), killed after `timeout` s; its `out/result.json`.
+def run_child(script: str, out, *args: str, timeout: float) -> dict:
+    """Runs `python script out ARGS` (its output to `out/log.txt`), killed after `timeout` s; its `out/result.json`.
 
     Raises:
         AssertionError: with the log's tail, when the child exits non-zero.
     """
     with open(os.path.join(out, "log.txt"), "w") as log:
-        proc = popen([sys.executable, script, str(out)], env=clean_env(TF_CPP_MIN_LOG_LEVEL="3"), stdout=log,
+        proc = popen([sys.executable, script, str(out), *args], env=clean_env(TF_CPP_MIN_LOG_LEVEL="3"), stdout=log,
                       new_session=False)
         code = wait_or_kill(proc, timeout)
     with open(os.path.join(out, "log.txt")) as log:

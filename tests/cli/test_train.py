@@ -237,13 +237,10 @@ def test_model_parallel_on_a_2x4_mesh_trains_as_one_device(tmp_path, one_device)
     assert tuple(saved(np.zeros((1, SEQ_LEN), np.int32)).shape) == (1, SEQ_LEN, 256)
 
 
-def test_model_parallel_over_two_launched_processes_trains_as_one_device(tmp_path):
+def test_model_parallel_over_two_launched_processes_trains_as_one_device(tmp_path, one_device):
     """tfdist-launch -n 2: one {"batch": 2, "model": 4} mesh over both processes (4 simulated CPUs each)."""
-    steps = ["--steps=50", "--nomeasure_speedup"]
-    one = run_train(*SMALL_LM, *steps, "--num_devices=1", f"--model_dir={tmp_path / 'one'}", timeout=TRAIN_TIMEOUT_S)
-    assert one.returncode == 0, one.stderr[-3000:]
     cmd = [sys.executable, "-m", "tfdist.launch", "-n", "2", "--join_timeout=120", "--", sys.executable, "-m",
-           "tfdist.train", *SMALL_LM, *steps, "--strategy=model_parallel", "--mesh=batch:2,model:4",
+           "tfdist.train", *SMALL_LM, "--nomeasure_speedup", "--strategy=model_parallel", "--mesh=batch:2,model:4",
            f"--model_dir={tmp_path / 'two'}"]
     result = _procs.run(cmd, timeout=2 * TRAIN_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -254,9 +251,9 @@ def test_model_parallel_over_two_launched_processes_trains_as_one_device(tmp_pat
         assert summary_value(lines, "worker") == f"{worker} of 2" + (" (chief)" if worker == 0 else "")
         assert summary_value(lines, "devices").count(f"/job:worker/replica:0/task:{worker}/device:CPU:") == 4
         assert summary_value(lines, "training") == (
-            "1 epoch(s) x 50 steps, global batch 16 split 2 ways over mesh axis 'batch'"
+            "1 epoch(s) x 12 steps, global batch 16 split 2 ways over mesh axis 'batch'"
         )
-        assert_trains_as_one_device(subprocess.CompletedProcess(cmd, 0, lines, ""), one)
+        assert_trains_as_one_device(subprocess.CompletedProcess(cmd, 0, lines, ""), one_device)
     assert "DataShardingWarning" not in result.stdout + result.stderr  # the binary asks for DATA sharding
     saved = keras.saving.load_model(tmp_path / "two" / "model.keras")  # written by worker 0, loads on one device
     assert tuple(saved(np.zeros((1, SEQ_LEN), np.int32)).shape) == (1, SEQ_LEN, 256)

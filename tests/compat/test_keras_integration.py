@@ -246,11 +246,7 @@ def _run(tmp_path, family):
 
     out = tmp_path / family
     out.mkdir()
-    proc = _procs.run([sys.executable, os.path.abspath(__file__), str(out), family], timeout=400,
-                      env={"TF_CPP_MIN_LOG_LEVEL": "3"})
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
-    with open(out / "result.json") as f:
-        return json.load(f)
+    return _procs.run_child(os.path.abspath(__file__), out, family, timeout=400)
 
 
 SPLIT = {  # name -> (fewest split weights, fewest split optimizer variables): the 4 kernels (and their SGD

@@ -115,9 +115,11 @@ DATA = (
     rng.integers(0, VOCAB, (STEPS * BATCH, SEQ)).astype("int32"),
 )
 
-PAIR = ["CPU:0", "CPU:1"]  # the data-parallel faults: 2 replicas trace faster than 8
+# MirroredStrategy traces the step once per replica: the correct data-parallel check on 4 (16 examples, 4 each),
+# the data-parallel faults on 2.
+QUAD, PAIR = [f"CPU:{i}" for i in range(4)], ["CPU:0", "CPU:1"]
 SCENARIOS = {
-    "data_parallel": (build, lambda: tfdist.DataParallelStrategy()),
+    "data_parallel": (build, lambda: tfdist.DataParallelStrategy(devices=QUAD)),
     "model_parallel": (build, lambda: tfdist.ModelParallelStrategy(mesh={"batch": 2, "model": 4},
                                                                    rules=layouts.transformer())),
     "zero3": (build, lambda: tfdist.ShardedDataParallelStrategy(shard="weights")),

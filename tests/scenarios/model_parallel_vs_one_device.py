@@ -195,7 +195,12 @@ def scenario_hybrid():
 
 
 def scenario_reshard():
-    """Restores the hybrid scenario's checkpoints onto 4x2, 1x8 and one device."""
+    """Restores the hybrid scenario's checkpoints onto 4x2, 1x8 and one device.
+
+    One model per target: the Keras file's, trained two steps; then the .weights.h5 file and then the
+    TensorFlow checkpoint read over what those steps changed (weights, slots and the iteration count), each
+    followed by the same two steps, which reuse the model's traced train step.
+    """
     src = sys.argv[3]
     saved = np.load(os.path.join(src, "saved.npz"))
     saved = [saved[f"arr_{i}"] for i in range(len(saved.files))]
@@ -206,23 +211,17 @@ def scenario_reshard():
         "one_device": None,
     }
     for target, mesh in targets.items():
+        strategy = tf.distribute.get_strategy() if mesh is None else ModelParallelStrategy(
+            mesh=mesh, rules=layouts.transformer())
         for fmt in ("keras", "weights_h5", "checkpoint"):
-            if mesh is None:
-                scope = tf.distribute.get_strategy().scope()
-            else:
-                strategy = ModelParallelStrategy(mesh=mesh, rules=layouts.transformer())
-                scope = strategy.scope()
-            with scope:
+            with strategy.scope():
                 if fmt == "keras":
                     model = keras.saving.load_model(os.path.join(src, "model.keras"))
+                elif fmt == "weights_h5":
+                    model.load_weights(os.path.join(src, "model.weights.h5"))
                 else:
-                    model = transformer_block()
-                    model.optimizer.build(model.trainable_variables)
-                    if fmt == "weights_h5":
-                        model.load_weights(os.path.join(src, "model.weights.h5"))
-                    else:
-                        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
-                        checkpoint.read(os.path.join(src, "ckpt")).assert_consumed()
+                    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+                    checkpoint.read(os.path.join(src, "ckpt")).assert_consumed()
             key = f"{target}_{fmt}"
             state = [np.asarray(w) for w in model.get_weights()] + optimizer_state(model)
             RESULT[f"{key}_state_diff"] = max_diff(state, saved)

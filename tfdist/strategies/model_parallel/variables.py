@@ -35,17 +35,30 @@ def shard_value(value, layout):
     if all(s == dtensor.UNSHARDED for s in specs):
         return dtensor.pack([value] * mesh.num_local_devices(), layout)
     sizes = mesh_lib.mesh_axes(mesh)
-    components = []
-    for location in mesh.local_device_locations():
-        index = []
-        for dim, axis in enumerate(specs):
-            if axis == dtensor.UNSHARDED:
-                index.append(slice(None))
-            else:
-                step = value.shape[dim] // sizes[axis]
-                index.append(slice(location[axis] * step, (location[axis] + 1) * step))
-        components.append(value[tuple(index)])
-    return dtensor.pack(components, layout)
+    split = [(dim, axis) for dim, axis in enumerate(specs) if axis != dtensor.UNSHARDED]
+    if any(value.shape[dim] % sizes[axis] for dim, axis in split):
+        return dtensor.pack([_slice(value, specs, sizes, location) for location in mesh.local_device_locations()],
+                            layout)
+    # One split op per split dimension (not a strided slice per device): the shards, keyed by their position.
+    pieces = {(): value}
+    for dim, axis in split:
+        pieces = {key + (i,): part for key, whole in pieces.items()
+                  for i, part in enumerate(tf.split(whole, sizes[axis], axis=dim))}
+    return dtensor.pack(
+        [pieces[tuple(location[axis] for _, axis in split)] for location in mesh.local_device_locations()], layout
+    )
+
+
+def _slice(value, specs, sizes, location):
+    """The part of `value` at `location` for a dimension that does not divide evenly (the whole steps only)."""
+    index = []
+    for dim, axis in enumerate(specs):
+        if axis == dtensor.UNSHARDED:
+            index.append(slice(None))
+        else:
+            step = value.shape[dim] // sizes[axis]
+            index.append(slice(location[axis] * step, (location[axis] + 1) * step))
+    return value[tuple(index)]
 
 
 def whole_sparse_operands(densify, x1, x2, mesh):
