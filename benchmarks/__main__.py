@@ -42,6 +42,7 @@ BENCHMARKS = {
     "advise": ([], (300, 900)),
     "check": ([], (400, 900)),
     "epoch_start": ([], (180, 600)),
+    "shard_value": ([], (120, 300)),
 }
 
 
