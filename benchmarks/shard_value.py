@@ -43,6 +43,7 @@ def main(argv: list[str]) -> int:
     import tfdist
 
     tfdist.simulate_devices(8)
+    import tensorflow as tf
     from tensorflow.experimental import dtensor
 
     from tfdist.placement import mesh as mesh_lib
@@ -58,11 +59,16 @@ def main(argv: list[str]) -> int:
     }
 
     def per_device_slices(value, layout):
-        import tensorflow as tf
-
+        """shard_value's way before: a strided slice of the value for each device."""
         value = tf.convert_to_tensor(value)
-        return dtensor.pack([variables._slice(value, layout.sharding_specs, sizes, location)
-                             for location in mesh.local_device_locations()], layout)
+        components = []
+        for location in mesh.local_device_locations():
+            index = [slice(None) if axis == dtensor.UNSHARDED else
+                     slice(location[axis] * (value.shape[dim] // sizes[axis]),
+                           (location[axis] + 1) * (value.shape[dim] // sizes[axis]))
+                     for dim, axis in enumerate(layout.sharding_specs)]
+            components.append(value[tuple(index)])
+        return dtensor.pack(components, layout)
 
     rows, figures = [], []
     for name, (value, spec) in cases.items():

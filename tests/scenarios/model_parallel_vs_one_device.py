@@ -323,6 +323,27 @@ def scenario_data_and_conv():
     model.fit(x[:9], y[:9], batch_size=9, shuffle=False, verbose=0)
     RESULT["uneven_weights_diff"] = max_diff(model.get_weights(), ref.get_weights())
 
+    # shard_value (each variable and host batch onto the mesh): each device gets its numpy slice of the value.
+    mesh, sizes = strategy.mesh, {"batch": 2, "model": 4}
+    value = np.arange(8 * 12 * 4, dtype="float32").reshape(8, 12, 4)
+    exact = {}
+    for spec in ((None, "model", None), ("batch", None, None), ("batch", "model", None), ("model", None, "batch")):
+        layout = model_parallel.variables.layout_of(spec, mesh)
+        parts = [c.numpy() for c in dtensor.unpack(model_parallel.shard_value(value, layout))]
+        wanted = []
+        for location in mesh.local_device_locations():
+            index = [slice(None) if axis is None else
+                     slice(location[axis] * n // sizes[axis], (location[axis] + 1) * n // sizes[axis])
+                     for n, axis in zip(value.shape, spec)]
+            wanted.append(value[tuple(index)])
+        exact[str(spec)] = all(np.array_equal(a, b) for a, b in zip(parts, wanted, strict=True))
+    RESULT["shard_value_exact"] = exact
+    try:
+        model_parallel.shard_value(value[:6], model_parallel.variables.layout_of(("model", None, None), mesh))
+        RESULT["shard_value_uneven"] = "no error"
+    except ValueError as e:
+        RESULT["shard_value_uneven"] = str(e)
+
 
 class TutorialSubclassed(keras.Model):
     """The DTensor tutorial's subclassed MLP: layers created in __init__, variables when first called."""

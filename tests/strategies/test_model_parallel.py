@@ -199,6 +199,12 @@ def test_batch_only_mesh_and_conv_preset_match_one_device(scenarios):
         assert spec[-1] == "model" and set(spec[:-1]) <= {None}, path
         assert per_device * 4 == total, path
     assert r["uneven_weights_diff"] < ADAM_ATOL  # a batch of 9 over the batch axis of 2, as on one device
+    # shard_value: every device's shard is its slice of the host value, over one axis, both, or two dimensions.
+    assert r["shard_value_exact"] == dict.fromkeys(r["shard_value_exact"], True) and len(r["shard_value_exact"]) == 4
+    assert r["shard_value_uneven"] == (
+        "shard_value: dimension 0 (size 6) of a value of shape (6, 12, 4) is not divisible by mesh axis 'model' (4). "
+        "Expected a size divisible by 4, or a layout that keeps dimension 0 whole."
+    )
 
 
 def test_all_reduce_combining_is_refused_and_would_corrupt_adam(scenarios):

@@ -28,6 +28,9 @@ def shard_value(value, layout):
     """Packs a host (non-DTensor) value into a DTensor with `layout`, slicing on the host.
 
     Each device receives only its own shard; nothing is replicated first.
+
+    Raises:
+        ValueError: for a dimension its mesh axis does not divide.
     """
     value = tf.convert_to_tensor(value)
     mesh = layout.mesh
@@ -36,10 +39,14 @@ def shard_value(value, layout):
         return dtensor.pack([value] * mesh.num_local_devices(), layout)
     sizes = mesh_lib.mesh_axes(mesh)
     split = [(dim, axis) for dim, axis in enumerate(specs) if axis != dtensor.UNSHARDED]
-    if any(value.shape[dim] % sizes[axis] for dim, axis in split):
-        return dtensor.pack([_slice(value, specs, sizes, location) for location in mesh.local_device_locations()],
-                            layout)
-    # One split op per split dimension (not a strided slice per device): the shards, keyed by their position.
+    for dim, axis in split:
+        if value.shape[dim] % sizes[axis]:
+            raise ValueError(
+                f"shard_value: dimension {dim} (size {value.shape[dim]}) of a value of shape {value.shape} is not "
+                f"divisible by mesh axis {axis!r} ({sizes[axis]}). Expected a size divisible by {sizes[axis]}, or a "
+                f"layout that keeps dimension {dim} whole."
+            )
+    # One split op per split dimension (not a slice per device): the shards, keyed by their position on the mesh.
     pieces = {(): value}
     for dim, axis in split:
         pieces = {key + (i,): part for key, whole in pieces.items()
@@ -47,18 +54,6 @@ def shard_value(value, layout):
     return dtensor.pack(
         [pieces[tuple(location[axis] for _, axis in split)] for location in mesh.local_device_locations()], layout
     )
-
-
-def _slice(value, specs, sizes, location):
-    """The part of `value` at `location` for a dimension that does not divide evenly (the whole steps only)."""
-    index = []
-    for dim, axis in enumerate(specs):
-        if axis == dtensor.UNSHARDED:
-            index.append(slice(None))
-        else:
-            step = value.shape[dim] // sizes[axis]
-            index.append(slice(location[axis] * step, (location[axis] + 1) * step))
-    return value[tuple(index)]
 
 
 def whole_sparse_operands(densify, x1, x2, mesh):
