@@ -15,7 +15,7 @@ from _launchers import NETWORKS
 
 from tfdist import launch
 
-# A worker that reports its TF_CONFIG, then behaves as its argv says.
+# A worker that reports its TF_CONFIG, then behaves as its argv says; "ready" once its signal handlers are set.
 WORKER = r"""
 import json, os, signal, sys, time
 task = json.loads(os.environ["TF_CONFIG"])
@@ -33,6 +33,7 @@ if mode == "trap":
 if mode == "ignore":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if mode != "ok":
+    print("ready", flush=True)
     time.sleep(300)
 """
 
@@ -95,7 +96,9 @@ def _start_and_signal(mode, sig, grace="30", network="auto"):
     )
     try:
         lines = []
-        while sum(line.startswith("[worker ") and " pid " in line for line in lines) < 2:
+        # Signalled only once both workers have set their handlers: a signal between a worker's start and
+        # its signal.signal call would end it by the default action, never reaching its handler.
+        while sum(line.startswith("[worker ") and line.endswith("] ready\n") for line in lines) < 2:
             line = proc.stdout.readline()
             assert line, "".join(lines)
             lines.append(line)

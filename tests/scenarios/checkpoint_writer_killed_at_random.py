@@ -4,9 +4,12 @@ Kill -9 at random moments of checkpoint writing (run as a script, not collected 
 
 Usage: python tests/scenarios/checkpoint_writer_killed_at_random.py DIR TRIALS SEED OUT.json
 TensorFlow is imported once, here; each trial forks a writer that saves large checkpoints (16 MiB,
-every value equal to the step) back to back, keeping the last two, and SIGKILLs it after a random
-delay. After each kill every file under a checkpoint name is read back in full, `latest_checkpoint`
-must name an intact one, and the stale-temp cleanup of the next run must leave no temporary file.
+every value equal to the step) back to back, keeping the last two, and SIGKILLs it. TRIALS trials kill
+after a random delay (2-6 saves' time: inside a write, or between two); TRIALS // 2 more kill inside
+the write of the writer's second checkpoint, after a random number of its bytes: the writer stops
+itself there (SIGSTOP), and the parent, seeing it stopped, SIGKILLs it. After each kill every file
+under a checkpoint name is read back in full, `latest_checkpoint` must name an intact one, and the
+stale-temp cleanup of the next run must leave no temporary file.
 """
 
 import json
@@ -34,7 +37,36 @@ def checkpoint(step):
         os.remove(old)
 
 
-def writer(first_step):
+def writer(first_step, stop_at=None):
+    """Saves checkpoints from `first_step` on; with `stop_at`, stops itself after that many bytes of the second."""
+    if stop_at is not None:
+        fdopen = os.fdopen
+
+        class Stopping:  # the checkpoint file, stopping this process once `stop_at` of its bytes are written
+            def __init__(self, f):
+                self._f, self._written = f, 0
+
+            def write(self, data):
+                n = self._f.write(data)
+                self._written += len(data)
+                if self._written >= stop_at:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                return n
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return self._f.__exit__(*exc)
+
+            def __getattr__(self, name):
+                return getattr(self._f, name)
+
+        def stop_in_second(fd, *args, **kwargs):
+            f = fdopen(fd, *args, **kwargs)
+            return Stopping(f) if step == first_step + 1 else f
+
+        os.fdopen = stop_in_second
     step = first_step
     while True:
         checkpoint(step)
@@ -60,16 +92,23 @@ started = time.monotonic()
 checkpoint(1)
 save_seconds = time.monotonic() - started
 trials = []
-for _ in range(TRIALS):
+CHECKPOINT_BYTES = 2 * 4 * SHAPE[0] * SHAPE[1]
+for trial in range(TRIALS + TRIALS // 2):
     first = _files.list_checkpoints(DIRECTORY, "ckpt")[-1][0] + 1
+    stop_at = rng.randrange(1, CHECKPOINT_BYTES) if trial >= TRIALS else None
     pid = os.fork()
     if pid == 0:
         try:
-            writer(first)
+            writer(first, stop_at)
         finally:
             os._exit(1)
-    delay = rng.uniform(2 * save_seconds, 6 * save_seconds)
-    time.sleep(delay)
+    delay = None
+    if stop_at is None:
+        delay = rng.uniform(2 * save_seconds, 6 * save_seconds)
+        time.sleep(delay)
+    else:
+        _, status = os.waitpid(pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), status  # inside the second checkpoint's write, not dead
     os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
     names = sorted(os.listdir(DIRECTORY))
@@ -80,6 +119,7 @@ for _ in range(TRIALS):
         {
             "killed": os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL,
             "delay_s": delay,
+            "stopped_after_bytes": stop_at,
             "mid_write": any(name.startswith(".") for name in names),
             "saved": finals[-1][0] - first + 1,
             "finals_intact": all(intact(path, step) for step, path in finals),
