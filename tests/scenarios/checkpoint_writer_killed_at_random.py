@@ -12,6 +12,7 @@ under a checkpoint name is read back in full, `latest_checkpoint` must name an i
 stale-temp cleanup of the next run must leave no temporary file.
 """
 
+import io
 import json
 import os
 import random
@@ -42,29 +43,20 @@ def writer(first_step, stop_at=None):
     if stop_at is not None:
         fdopen = os.fdopen
 
-        class Stopping:  # the checkpoint file, stopping this process once `stop_at` of its bytes are written
-            def __init__(self, f):
-                self._f, self._written = f, 0
+        class Stopping(io.BufferedWriter):  # a checkpoint file that stops this process after `stop_at` bytes
+            written = 0
 
             def write(self, data):
-                n = self._f.write(data)
-                self._written += len(data)
-                if self._written >= stop_at:
+                n = super().write(data)
+                self.written += n
+                if self.written >= stop_at:
                     os.kill(os.getpid(), signal.SIGSTOP)
                 return n
 
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                return self._f.__exit__(*exc)
-
-            def __getattr__(self, name):
-                return getattr(self._f, name)
-
-        def stop_in_second(fd, *args, **kwargs):
-            f = fdopen(fd, *args, **kwargs)
-            return Stopping(f) if step == first_step + 1 else f
+        def stop_in_second(fd, mode="r", *args, **kwargs):
+            if step != first_step + 1:
+                return fdopen(fd, mode, *args, **kwargs)
+            return Stopping(io.FileIO(fd, mode))
 
         os.fdopen = stop_in_second
     step = first_step
